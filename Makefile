@@ -1,0 +1,54 @@
+# Fleet — install, run, test. `make run` and `make test` work on a fresh Debian/Ubuntu machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PACKAGES := libs/proto libs/bus libs/store libs/runtime \
+	services/gateway services/scheduler services/downloader services/metrics-collector services/engine-worker \
+	deploy/local
+PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
+
+.PHONY: install run down status test lint proto check-proto bench docker clean
+
+install: $(STAMP)
+
+# Debian packages the product needs (python venv support); skipped when already present.
+APT_PACKAGES := python3-venv
+apt:
+	@if command -v apt-get >/dev/null && ! $(PY) -c 'import ensurepip' 2>/dev/null; then \
+		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); fi
+
+$(STAMP): $(PYPROJECTS) requirements-dev.txt | apt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip==24.3.1
+	$(BIN)/pip install -q $(addprefix -e ,$(PACKAGES)) -r requirements-dev.txt
+	touch $@
+
+run: install
+	$(BIN)/fleet up
+
+down:
+	$(BIN)/fleet down
+
+status:
+	$(BIN)/fleet status
+
+proto: install
+	$(BIN)/python -m fleet_proto.generate proto
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
+	$(BIN)/python -m pytest -q
+
+bench: install
+	@echo "no benchmarks yet: they arrive with the first engine (issue 3)"
+
+docker:
+	docker compose build
+
+clean:
+	rm -rf $(VENV) .fleet

@@ -1,0 +1,5 @@
+import sys
+
+from fleet_local.cli import main
+
+sys.exit(main())

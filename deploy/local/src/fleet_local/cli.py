@@ -1,0 +1,106 @@
+"""`fleet`: run the embedded stack on this machine.
+
+fleet up [--state-dir .fleet] [--port 8000] [--detach]
+fleet status [--state-dir .fleet] [--json]
+fleet down [--state-dir .fleet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from fleet_local import stack
+from fleet_local.processes import StartupError, http_ok, pid_alive
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    state_dir = Path(args.state_dir)
+    began = time.monotonic()
+    try:
+        manifest = stack.up(state_dir, gateway_port=args.port, timeout_s=args.timeout)
+    except StartupError as exc:
+        print(f"fleet up failed: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.monotonic() - began
+    rss_mb = stack.resident_bytes(manifest) / 2**20
+    print(f"Fleet is up in {elapsed:.1f} s ({rss_mb:.0f} MiB resident), state in {manifest.state_dir}")
+    print(f"  gateway  {manifest.gateway_url}   (try: curl {manifest.gateway_url}/state)")
+    print(f"  events   {manifest.gateway_url}/events")
+    print(f"  metrics  {manifest.metrics_url}")
+    print(f"  nats     {manifest.nats_url}")
+    print(f"  logs     {manifest.state_dir}/logs/")
+    if args.detach:
+        print("Stop it with: fleet down")
+        return 0
+    print("Press Ctrl-C to stop.")
+    return _watch(state_dir, manifest)
+
+
+def _watch(state_dir: Path, manifest: stack.StackManifest) -> int:
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    code = 0
+    while not stop:
+        dead = [p for p in manifest.processes if not pid_alive(p.pid, p.started_at)]
+        if dead:
+            names = ", ".join(f"{p.name} (log {p.log_path})" for p in dead)
+            print(f"fleet: {names} exited; stopping the stack", file=sys.stderr)
+            code = 1
+            break
+        time.sleep(0.5)
+    stopped = stack.down(state_dir)
+    print(f"fleet: stopped {len(stopped)} processes")
+    return code
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    stopped = stack.down(Path(args.state_dir))
+    print(f"stopped {', '.join(stopped)}" if stopped else "nothing was running")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    manifest = stack.read_manifest(Path(args.state_dir).resolve())
+    if manifest is None:
+        print("not running", file=sys.stderr)
+        return 1
+    rows = []
+    for p in manifest.processes:
+        alive = pid_alive(p.pid, p.started_at)
+        healthy = alive and (not p.health_url or http_ok(p.health_url))
+        rows.append({"name": p.name, "pid": p.pid, "alive": alive, "healthy": healthy, "url": p.url})
+    if args.json:
+        print(json.dumps({"state_dir": manifest.state_dir, "processes": rows}, indent=2))
+    else:
+        for row in rows:
+            state = "healthy" if row["healthy"] else ("UNHEALTHY" if row["alive"] else "DOWN")
+            print(f"{row['name']:<18} {state:<10} pid {row['pid']:<8} {row['url']}")
+    return 0 if all(r["healthy"] for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleet", description="Run Fleet's embedded stack on this machine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("up", "down", "status"):
+        p = sub.add_parser(name)
+        p.add_argument("--state-dir", default=".fleet", help="data, logs and stack.json (default .fleet)")
+    up_parser = sub.choices["up"]
+    up_parser.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1 (default 8000)")
+    up_parser.add_argument(
+        "--detach", action="store_true", help="return once healthy; stop with `fleet down`"
+    )
+    up_parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health")
+    sub.choices["status"].add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    handlers = {"up": _cmd_up, "down": _cmd_down, "status": _cmd_status}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

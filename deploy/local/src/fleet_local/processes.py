@@ -1,0 +1,121 @@
+"""Child processes of the embedded stack: start with logs in files, wait until ready, stop by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import psutil
+
+
+class StartupError(RuntimeError):
+    """A child process exited or did not become ready in time; the message names its log file."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn(
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in its own session (so a terminal's Ctrl-C reaches only `fleet up`)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+
+def _log_tail(log_path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _wait(ready, proc: subprocess.Popen[bytes], what: str, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StartupError(
+                f"{what} exited with code {proc.returncode}; log {log_path}:\n{_log_tail(log_path)}"
+            )
+        if ready():
+            return
+        time.sleep(0.05)
+    raise StartupError(
+        f"{what} was not ready after {timeout_s:.0f} s; log {log_path}:\n{_log_tail(log_path)}"
+    )
+
+
+def tcp_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_tcp(proc: subprocess.Popen[bytes], what: str, log_path: Path, port: int, timeout_s: float) -> None:
+    _wait(lambda: tcp_open("127.0.0.1", port), proc, what, log_path, timeout_s)
+
+
+def wait_http(proc: subprocess.Popen[bytes], what: str, log_path: Path, url: str, timeout_s: float) -> None:
+    _wait(lambda: http_ok(url), proc, what, log_path, timeout_s)
+
+
+def process_started_at(pid: int) -> float:
+    return float(psutil.Process(pid).create_time())
+
+
+def pid_alive(pid: int, started_at: float | None = None) -> bool:
+    """Whether `pid` runs and, given `started_at`, is still the same process (PIDs get reused)."""
+    try:
+        process = psutil.Process(pid)
+        if started_at is not None and abs(process.create_time() - started_at) > 0.01:
+            return False
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_pid(pid: int, started_at: float | None = None, timeout_s: float = 15.0) -> None:
+    """SIGTERM the process group led by `pid` (our children start their own session), then SIGKILL."""
+    if not pid_alive(pid, started_at):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reap our own child, if it is one
+        if not pid_alive(pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)

@@ -1,0 +1,23 @@
+"""Fleet's NATS JetStream client: streams, typed publish/consume, request/reply, token streams."""
+
+from fleet_bus.connection import Bus, BusError, BusUnavailable, RequestFailed
+from fleet_bus.follower import StateFollower
+from fleet_bus.streams import ensure_streams
+from fleet_bus.tokens import StreamBroken, TokenStreamReader, publish_chunk
+from fleet_bus.workqueue import Delivery, consume, consume_commands, consume_tasks
+
+__all__ = [
+    "Bus",
+    "BusError",
+    "BusUnavailable",
+    "Delivery",
+    "RequestFailed",
+    "StateFollower",
+    "StreamBroken",
+    "TokenStreamReader",
+    "consume",
+    "consume_commands",
+    "consume_tasks",
+    "ensure_streams",
+    "publish_chunk",
+]

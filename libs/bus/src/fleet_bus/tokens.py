@@ -1,0 +1,67 @@
+"""The token stream of one request on core NATS `fleet.tok.<request_id>` (worker -> gateway).
+
+Core NATS keeps order per publisher but does not persist, so the reader checks chunk indexes and
+gives up with a clear error when chunks stop arriving (a worker that died mid-stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from fleet_bus.connection import Bus, BusError
+from fleet_proto import TokenChunk, encode
+from fleet_proto.subjects import token_subject
+
+
+class StreamBroken(BusError):
+    """The token stream stalled or lost a chunk."""
+
+
+_decoder = msgspec.json.Decoder(TokenChunk)
+
+
+async def publish_chunk(bus: Bus, chunk: TokenChunk) -> None:
+    await bus.nc.publish(token_subject(chunk.request_id), encode(chunk))
+
+
+class TokenStreamReader:
+    """Subscribe before the task is published (`await reader.open()`), then iterate the chunks."""
+
+    def __init__(self, bus: Bus, request_id: str, stall_timeout_s: float) -> None:
+        self._bus = bus
+        self.request_id = request_id
+        self._stall_timeout_s = stall_timeout_s
+        self._sub = None
+
+    async def open(self) -> TokenStreamReader:
+        self._sub = await self._bus.nc.subscribe(token_subject(self.request_id))
+        await self._bus.nc.flush()  # registered at the server before any worker can publish
+        return self
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
+        """Chunks in order until the one with finish_reason; StreamBroken on a gap or a stall."""
+        assert self._sub is not None, "open() first"
+        expected = 0
+        while True:
+            try:
+                msg = await self._sub.next_msg(timeout=self._stall_timeout_s)
+            except TimeoutError:
+                raise StreamBroken(
+                    f"no tokens for request {self.request_id} in {self._stall_timeout_s:.0f} s"
+                ) from None
+            chunk = _decoder.decode(msg.data)
+            if chunk.index != expected:
+                raise StreamBroken(
+                    f"request {self.request_id}: chunk {chunk.index} arrived, expected {expected}"
+                )
+            expected += 1
+            yield chunk
+            if chunk.finish_reason:
+                return

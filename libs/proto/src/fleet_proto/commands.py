@@ -1,0 +1,37 @@
+"""Commands: requests for the cluster to change, consumed from the FLEET_CMD work queue.
+
+Each command carries a command_id so a redelivered command is recognisably the same one.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class CommandBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    command_id: str
+
+
+class CreateInstance(CommandBase, tag="create_instance"):
+    """Create an instance of a model (the scheduler places it)."""
+
+    model_id: str
+    instance_id: str
+    engine: str = ""  # empty: the scheduler chooses
+
+
+class DeleteInstance(CommandBase, tag="delete_instance"):
+    """Unload an instance and free its memory."""
+
+    instance_id: str
+
+
+class DownloadModel(CommandBase, tag="download_model"):
+    """Stage a model from a source into object storage (the downloader runs it)."""
+
+    model_id: str
+    source: str  # hf repo id, file:///dir, gguf:///file, or pkg:<package>
+
+
+Command = CreateInstance | DeleteInstance | DownloadModel
+COMMAND_TYPES: tuple[type[CommandBase], ...] = (CreateInstance, DeleteInstance, DownloadModel)

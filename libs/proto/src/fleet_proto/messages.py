@@ -1,0 +1,59 @@
+"""Messages of the per-request planes: tasks for a worker, token streams, cancel, routing, metrics.
+
+Engines are token-in, token-out: tasks carry token ids and sampling params, never text.
+"""
+
+from __future__ import annotations
+
+from fleet_proto.common import Frozen
+
+
+class SamplingParams(Frozen):
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0  # top-k logprobs per token, 0: none
+
+
+class GenerateTask(Frozen, tag_field="kind", tag="generate"):
+    request_id: str
+    instance_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    # Block hashes of the prompt (fleet_store.kv): lets the worker look up cached prefix KV.
+    block_hashes: tuple[str, ...] = ()
+
+
+class TokenChunk(Frozen):
+    """A step's new tokens for one request; the last chunk has finish_reason set."""
+
+    request_id: str
+    index: int  # chunk sequence number from 0, so the reader can detect a gap
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str = ""  # "", "stop", "length", "cancelled", "error"
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_time_s: float = 0.0
+    decode_time_s: float = 0.0
+
+
+class CancelRequest(Frozen):
+    request_id: str
+    reason: str = "cancelled"
+
+
+class NodeMetrics(Frozen):
+    """A node's dynamic metrics, published about once a second on core NATS (not persisted)."""
+
+    node_id: str
+    at: float
+    memory_used_bytes: int
+    memory_available_bytes: int
+    cpu_percent: float
+    disk_free_bytes: int

@@ -1,0 +1,15 @@
+"""The cluster State: what every service knows after folding the event stream with apply()."""
+
+from __future__ import annotations
+
+import msgspec
+
+from fleet_proto.common import DownloadStatus, Instance, NodeInfo, ServiceInfo
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True):
+    last_seq: int = 0  # stream sequence of the last event applied
+    services: dict[str, ServiceInfo] = {}
+    nodes: dict[str, NodeInfo] = {}
+    instances: dict[str, Instance] = {}
+    downloads: dict[str, DownloadStatus] = {}

@@ -1,0 +1,157 @@
+"""The one table that ties every NATS subject to its message type, stream and retention.
+
+fleet_bus creates streams from STREAMS; `python -m fleet_proto.generate` writes proto/ from CHANNELS.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+import msgspec
+
+from fleet_proto.commands import COMMAND_TYPES
+from fleet_proto.events import EVENT_TYPES
+from fleet_proto.messages import CancelRequest, GenerateTask, NodeMetrics, TokenChunk
+
+
+class Retention(StrEnum):
+    WORK_QUEUE = "workqueue"  # each message is consumed once, acked, redelivered if not acked
+    LIMITS = "limits"  # kept up to an age/size, replayable by anyone
+    CORE = "core"  # plain NATS, not persisted
+
+
+class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    subjects: tuple[str, ...]
+    retention: Retention
+    max_age_s: float = 0.0  # 0: no limit
+    max_bytes: int = -1
+    description: str = ""
+
+
+class Channel(msgspec.Struct, frozen=True, kw_only=True):
+    subject: str  # NATS subject; {name} marks a token filled in per message
+    messages: tuple[type, ...]
+    retention: Retention
+    stream: str = ""
+    reply: type | None = None
+    description: str = ""
+
+
+CMD_STREAM = StreamSpec(
+    name="FLEET_CMD",
+    subjects=("fleet.cmd.>",),
+    retention=Retention.WORK_QUEUE,
+    description="Commands (create/delete instance, download); consumed once by the scheduler or downloader.",
+)
+EVT_STREAM = StreamSpec(
+    name="FLEET_EVT",
+    subjects=("fleet.evt.>",),
+    retention=Retention.LIMITS,
+    max_age_s=7 * 24 * 3600.0,
+    max_bytes=1 << 30,
+    description="Events: the cluster's ordered truth; every service folds it into State.",
+)
+TASK_STREAM = StreamSpec(
+    name="FLEET_TASK",
+    subjects=("fleet.task.>",),
+    retention=Retention.WORK_QUEUE,
+    max_age_s=3600.0,
+    description="Tasks for one worker; redelivered if the worker dies before acking.",
+)
+STREAMS: tuple[StreamSpec, ...] = (CMD_STREAM, EVT_STREAM, TASK_STREAM)
+
+LEADER_BUCKET = "fleet-leader"
+STATE_BUCKET = "fleet-state"
+KV_BUCKETS: tuple[str, ...] = (LEADER_BUCKET, STATE_BUCKET)
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+class SubjectTokenError(ValueError):
+    """An id cannot be used as one NATS subject token."""
+
+
+def subject_token(value: str) -> str:
+    """`value`, checked to be one safe subject token (no dots, wildcards or spaces)."""
+    if not _TOKEN.match(value):
+        raise SubjectTokenError(f"{value!r} is not a valid subject token (letters, digits, '_' and '-' only)")
+    return value
+
+
+def _tag(message_type: type) -> str:
+    return str(msgspec.inspect.type_info(message_type).tag)  # type: ignore[attr-defined]
+
+
+def event_subject(kind: type) -> str:
+    return f"fleet.evt.{_tag(kind)}"
+
+
+def command_subject(kind: type) -> str:
+    return f"fleet.cmd.{_tag(kind)}"
+
+
+def task_subject(worker_id: str) -> str:
+    return f"fleet.task.{subject_token(worker_id)}"
+
+
+def token_subject(request_id: str) -> str:
+    return f"fleet.tok.{subject_token(request_id)}"
+
+
+def cancel_subject(request_id: str) -> str:
+    return f"fleet.cancel.{subject_token(request_id)}"
+
+
+def metrics_subject(node_id: str) -> str:
+    return f"fleet.metrics.{subject_token(node_id)}"
+
+
+CHANNELS: tuple[Channel, ...] = (
+    *(
+        Channel(
+            subject=command_subject(t),
+            messages=(t,),
+            retention=Retention.WORK_QUEUE,
+            stream=CMD_STREAM.name,
+            description=(t.__doc__ or t.__name__).strip().splitlines()[0],
+        )
+        for t in COMMAND_TYPES
+    ),
+    *(
+        Channel(
+            subject=event_subject(t),
+            messages=(t,),
+            retention=Retention.LIMITS,
+            stream=EVT_STREAM.name,
+            description=(t.__doc__ or t.__name__).strip().splitlines()[0],
+        )
+        for t in EVENT_TYPES
+    ),
+    Channel(
+        subject="fleet.task.{worker_id}",
+        messages=(GenerateTask,),
+        retention=Retention.WORK_QUEUE,
+        stream=TASK_STREAM.name,
+        description="Generation tasks for one worker (token ids in, token ids out).",
+    ),
+    Channel(
+        subject="fleet.tok.{request_id}",
+        messages=(TokenChunk,),
+        retention=Retention.CORE,
+        description="Token stream of one request, worker -> gateway.",
+    ),
+    Channel(
+        subject="fleet.cancel.{request_id}",
+        messages=(CancelRequest,),
+        retention=Retention.CORE,
+        description="Cancel one request wherever it runs.",
+    ),
+    Channel(
+        subject="fleet.metrics.{node_id}",
+        messages=(NodeMetrics,),
+        retention=Retention.CORE,
+        description="A node's dynamic metrics, about once a second.",
+    ),
+)

@@ -1,0 +1,140 @@
+"""Service bootstrap: settings, logging, NATS, the announce event, /health, and graceful shutdown.
+
+A service is an async `main(ctx)` that sets up its work and returns; the runner keeps it alive until
+SIGTERM/SIGINT, then cancels its tasks, announces ServiceStopped and closes connections in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from fleet_bus import Bus, StateFollower, ensure_streams
+from fleet_proto import ServiceInfo, ServiceKind, ServiceStarted, ServiceStopped
+from fleet_runtime.health import HealthCheck, health_handler, start_http
+from fleet_runtime.logs import setup_logging
+from fleet_runtime.settings import Settings, load_settings
+
+VERSION = "0.1.0"
+log = logging.getLogger("fleet_runtime")
+
+
+class ServiceContext:
+    """What a service's main() gets: its identity, settings, bus, State follower and task group."""
+
+    def __init__(self, kind: ServiceKind, settings: Settings, bus: Bus, follower: StateFollower) -> None:
+        self.kind = kind
+        self.settings = settings
+        self.bus = bus
+        self.follower = follower
+        self.service_id = f"{kind.value}-{uuid.uuid4().hex[:8]}"
+        self.node_id = ""  # set by services that run on a node (the engine-worker)
+        self.health_checks: dict[str, HealthCheck] = {"nats": self._check_nats}
+        self.routes: list[web.RouteDef] = []
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._cleanups: list[Callable[[], Awaitable[None]]] = []
+
+    async def _check_nats(self) -> None:
+        if not self.bus.nc.is_connected:
+            raise ConnectionError("not connected to NATS")
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run a background task for the service's lifetime; if it crashes, the service stops."""
+        self._tasks.append(asyncio.create_task(coro, name=name))
+
+    def on_shutdown(self, cleanup: Callable[[], Awaitable[None]]) -> None:
+        self._cleanups.append(cleanup)
+
+    def info(self) -> ServiceInfo:
+        return ServiceInfo(
+            service_id=self.service_id,
+            kind=self.kind,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            version=VERSION,
+            started_at=time.time(),
+            node_id=self.node_id,
+        )
+
+
+async def _wait_for_stop(tasks: list[asyncio.Task[Any]]) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        if task is not stopper and not task.cancelled() and task.exception() is not None:
+            log.error("task %s crashed; stopping", task.get_name(), exc_info=task.exception())
+    stopper.cancel()
+
+
+async def serve(
+    kind: ServiceKind,
+    main: Callable[[ServiceContext], Awaitable[None]],
+    settings: Settings,
+    health_port: int | None = None,
+) -> None:
+    bus = await Bus.connect(
+        settings.nats_url,
+        kind.value,
+        user=settings.nats_user,
+        password=settings.nats_password,
+        timeout_s=settings.bus_timeout_s,
+    )
+    await ensure_streams(bus.js)
+    follower = StateFollower(bus)
+    await follower.start()
+    ctx = ServiceContext(kind, settings, bus, follower)
+    await main(ctx)
+    port = settings.health_port if health_port is None else health_port
+    runner = None
+    if port:
+        app = web.Application()
+        app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
+        app.add_routes(ctx.routes)
+        runner = await start_http(app, settings.health_host, port)
+    await bus.publish_event(ServiceStarted(service=ctx.info(), origin=ctx.service_id, at=time.time()))
+    log.info("%s %s started (health on %s)", kind.value, ctx.service_id, port or "none")
+    try:
+        await _wait_for_stop(ctx._tasks)
+    finally:
+        log.info("%s %s stopping", kind.value, ctx.service_id)
+        for task in ctx._tasks:
+            task.cancel()
+        await asyncio.gather(*ctx._tasks, return_exceptions=True)
+        for cleanup in reversed(ctx._cleanups):
+            with contextlib.suppress(Exception):
+                await cleanup()
+        with contextlib.suppress(Exception):
+            await bus.publish_event(
+                ServiceStopped(service_id=ctx.service_id, origin=ctx.service_id, at=time.time())
+            )
+        if runner is not None:
+            await runner.cleanup()
+        await follower.stop()
+        await bus.close()
+
+
+def run(
+    kind: ServiceKind, main: Callable[[ServiceContext], Awaitable[None]], health_port: int | None = None
+) -> None:
+    """Entry point of a service process: exits 0 on SIGTERM/SIGINT, 1 on a startup error."""
+    settings = load_settings()
+    setup_logging(kind.value, settings.log_level, settings.log_format)
+    try:
+        asyncio.run(serve(kind, main, settings, health_port))
+    except Exception as exc:  # a clear one-line reason, not a traceback, for the common startup errors
+        log.error("%s failed: %s", kind.value, exc)
+        raise SystemExit(1) from None

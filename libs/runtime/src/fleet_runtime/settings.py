@@ -1,0 +1,81 @@
+"""Settings from environment variables, all under one prefix: FLEET_.
+
+Every service reads the same Settings; each uses the fields it needs. The names are
+documented in docs/ARCHITECTURE.md ("Configuration") and are what docker-compose.yml sets.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+import msgspec
+
+PREFIX = "FLEET_"
+
+
+class SettingsError(ValueError):
+    """An environment variable could not be parsed into its setting."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""
+    nats_password: str = ""
+    s3_endpoint: str = "127.0.0.1:9000"
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+    s3_secure: bool = False
+    s3_region: str = "us-east-1"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    # Where a service serves GET /health (0 = no health server; the gateway serves it on its own port).
+    health_host: str = "127.0.0.1"
+    health_port: int = 0
+    metrics_port: int = 9100
+    node_id: str = ""
+    state_dir: str = ".fleet"
+    log_level: str = "INFO"
+    log_format: str = "json"  # json | text
+    # How many stream messages a JetStream publish may wait on before it is an error.
+    bus_timeout_s: float = 5.0
+
+    def resolved_node_id(self) -> str:
+        return self.node_id or socket.gethostname()
+
+
+def _parse(raw: str, kind: type) -> object:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"expected a boolean, got {raw!r}")
+    return kind(raw)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read FLEET_<FIELD> variables (upper-case field names); unknown FLEET_ names are ignored."""
+    source = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for field in msgspec.structs.fields(Settings):
+        name = PREFIX + field.name.upper()
+        if name not in source:
+            continue
+        try:
+            values[field.name] = _parse(source[name], field.type)
+        except ValueError as exc:
+            raise SettingsError(f"{name}={source[name]!r}: {exc}") from None
+    return Settings(**values)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The FLEET_ variables that reproduce `settings` in a child process."""
+    env = {}
+    for field in msgspec.structs.fields(Settings):
+        value = getattr(settings, field.name)
+        env[PREFIX + field.name.upper()] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return env

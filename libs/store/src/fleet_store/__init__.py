@@ -1,0 +1,52 @@
+"""Fleet object storage: buckets, verified put/get (sha256 in object metadata), model manifests."""
+
+from fleet_store.buckets import ALL_BUCKETS, KV_BUCKET, MODELS_BUCKET, ensure_buckets
+from fleet_store.client import SHA256_METADATA, ObjectInfo, ObjectStore, S3Settings
+from fleet_store.errors import (
+    IntegrityError,
+    ObjectNotFound,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailable,
+)
+from fleet_store.hashing import Progress, sha256_file
+from fleet_store.manifest import (
+    FetchResult,
+    ManifestFile,
+    ModelManifest,
+    build_manifest,
+    fetch_model,
+    file_key,
+    load_manifest,
+    manifest_key,
+    model_prefix,
+    stage_folder,
+)
+
+__all__ = [
+    "ALL_BUCKETS",
+    "KV_BUCKET",
+    "MODELS_BUCKET",
+    "SHA256_METADATA",
+    "FetchResult",
+    "IntegrityError",
+    "ManifestFile",
+    "ModelManifest",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "ObjectStore",
+    "Progress",
+    "S3Settings",
+    "StoreAuthError",
+    "StoreError",
+    "StoreUnavailable",
+    "build_manifest",
+    "ensure_buckets",
+    "fetch_model",
+    "file_key",
+    "load_manifest",
+    "manifest_key",
+    "model_prefix",
+    "sha256_file",
+    "stage_folder",
+]

@@ -1,0 +1,3 @@
+from fleet_downloader.main import cli
+
+cli()

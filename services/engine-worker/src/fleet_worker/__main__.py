@@ -1,0 +1,3 @@
+from fleet_worker.main import cli
+
+cli()

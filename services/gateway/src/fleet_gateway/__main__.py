@@ -1,0 +1,3 @@
+from fleet_gateway.main import cli
+
+cli()

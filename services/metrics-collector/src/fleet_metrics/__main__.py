@@ -1,0 +1,3 @@
+from fleet_metrics.main import cli
+
+cli()

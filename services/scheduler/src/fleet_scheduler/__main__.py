@@ -1,0 +1,3 @@
+from fleet_scheduler.main import cli
+
+cli()

@@ -1,0 +1,87 @@
+"""docker-compose.yml is valid and keeps the deployment's invariants.
+
+The invariants are checked on the parsed YAML (anchors and merge keys resolved) everywhere; the
+file is also validated by `docker compose config` where the compose plugin is installed (no engine
+is needed for that).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = REPO / "docker-compose.yml"
+FLEET_SERVICES = ("gateway", "scheduler", "downloader", "metrics-collector", "engine-worker")
+INFRA_SERVICES = ("nats", "minio", "redis")
+
+
+def _compose(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE_FILE), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+@pytest.fixture(scope="module")
+def compose_available() -> None:
+    if shutil.which("docker") is None:
+        pytest.skip("docker client not installed")
+    try:
+        version = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"docker compose not usable: {exc}")
+    if version.returncode != 0:
+        reason = (version.stderr.strip() or version.stdout.strip()).splitlines()[0]
+        pytest.skip(f"docker compose plugin not available: {reason}")
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def test_compose_config_json_has_every_service(compose_available: None) -> None:
+    result = _compose("config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert set(FLEET_SERVICES + INFRA_SERVICES) <= set(json.loads(result.stdout)["services"])
+
+
+def test_compose_config_is_valid(compose_available: None) -> None:
+    result = _compose("config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_all_services_present(config: dict) -> None:
+    assert set(FLEET_SERVICES + INFRA_SERVICES) <= set(config["services"])
+
+
+def test_engine_worker_is_scalable(config: dict) -> None:
+    worker = config["services"]["engine-worker"]
+    assert "container_name" not in worker
+    assert not worker.get("ports")
+    # Unset, so each replica falls back to its container hostname.
+    assert "FLEET_NODE_ID" not in (worker.get("environment") or {})
+
+
+@pytest.mark.parametrize("name", FLEET_SERVICES)
+def test_fleet_service_has_healthcheck(config: dict, name: str) -> None:
+    healthcheck = config["services"][name].get("healthcheck")
+    assert healthcheck and healthcheck.get("test"), f"{name} has no healthcheck"
+    assert not healthcheck.get("disable")
+
+
+@pytest.mark.parametrize("name", FLEET_SERVICES)
+def test_fleet_service_dockerfile_exists(config: dict, name: str) -> None:
+    build = config["services"][name]["build"]
+    dockerfile = REPO / build["context"] / build.get("dockerfile", "Dockerfile")
+    assert dockerfile.is_file(), f"{name}: {dockerfile} missing"
+    assert dockerfile.resolve().is_relative_to(REPO)
