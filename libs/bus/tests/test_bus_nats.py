@@ -216,3 +216,18 @@ async def test_token_stream_in_order_then_stall_and_gap_are_errors(fresh_nats):
         await gapped.close()
     finally:
         await bus.close()
+
+
+async def test_token_stream_ends_within_seconds_when_the_producer_is_dead(fresh_nats):
+    bus = await connected(fresh_nats.url)
+    try:
+        reader = await TokenStreamReader(
+            bus, "r-4", stall_timeout_s=60, producer_alive=lambda: False, poll_s=0.2
+        ).open()
+        started = time.monotonic()
+        with pytest.raises(StreamBroken, match="stopped responding"):
+            [c async for c in reader.chunks()]
+        assert time.monotonic() - started < 2
+        await reader.close()
+    finally:
+        await bus.close()

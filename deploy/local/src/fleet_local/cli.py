@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from fleet_local import stack
+from fleet_local.bootstrap import DEFAULT_MODEL, DEFAULT_SOURCE, BootstrapError, stage_and_serve
 from fleet_local.processes import StartupError, http_ok, pid_alive
 
 
@@ -29,6 +30,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - began
     rss_mb = stack.resident_bytes(manifest) / 2**20
     print(f"Fleet is up in {elapsed:.1f} s ({rss_mb:.0f} MiB resident), state in {manifest.state_dir}")
+    if args.model:
+        print(f"Serving {args.model} (first run converts and stages it: about a minute)")
+        try:
+            stage_and_serve(manifest.gateway_url, args.model, args.model_source, args.timeout * 5, print)
+        except BootstrapError as exc:
+            print(f"fleet up: {exc}", file=sys.stderr)
+            stack.down(state_dir)
+            return 1
+        print(
+            f"  ready: curl {manifest.gateway_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": "Hi"}}]}}\''
+        )
     print(f"  gateway  {manifest.gateway_url}   (try: curl {manifest.gateway_url}/state)")
     print(f"  events   {manifest.gateway_url}/events")
     print(f"  metrics  {manifest.metrics_url}")
@@ -96,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         "--detach", action="store_true", help="return once healthy; stop with `fleet down`"
     )
     up_parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health")
+    up_parser.add_argument("--model", default=DEFAULT_MODEL, help="model to stage and serve ('' for none)")
+    up_parser.add_argument(
+        "--model-source", default=DEFAULT_SOURCE, help=f"where it comes from (default {DEFAULT_SOURCE})"
+    )
     sub.choices["status"].add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     handlers = {"up": _cmd_up, "down": _cmd_down, "status": _cmd_status}

@@ -6,7 +6,8 @@ gives up with a clear error when chunks stop arriving (a worker that died mid-st
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
@@ -29,10 +30,21 @@ async def publish_chunk(bus: Bus, chunk: TokenChunk) -> None:
 class TokenStreamReader:
     """Subscribe before the task is published (`await reader.open()`), then iterate the chunks."""
 
-    def __init__(self, bus: Bus, request_id: str, stall_timeout_s: float) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        request_id: str,
+        stall_timeout_s: float,
+        producer_alive: Callable[[], bool] = lambda: True,
+        poll_s: float = 1.0,
+    ) -> None:
+        """`producer_alive` is asked every `poll_s` without a chunk: a dead worker ends the stream
+        within seconds, while a live one may take up to `stall_timeout_s` (a long prefill)."""
         self._bus = bus
         self.request_id = request_id
         self._stall_timeout_s = stall_timeout_s
+        self._producer_alive = producer_alive
+        self._poll_s = poll_s
         self._sub = None
 
     async def open(self) -> TokenStreamReader:
@@ -49,13 +61,21 @@ class TokenStreamReader:
         """Chunks in order until the one with finish_reason; StreamBroken on a gap or a stall."""
         assert self._sub is not None, "open() first"
         expected = 0
+        last_chunk_at = time.monotonic()
         while True:
             try:
-                msg = await self._sub.next_msg(timeout=self._stall_timeout_s)
+                msg = await self._sub.next_msg(timeout=min(self._poll_s, self._stall_timeout_s))
             except TimeoutError:
-                raise StreamBroken(
-                    f"no tokens for request {self.request_id} in {self._stall_timeout_s:.0f} s"
-                ) from None
+                if not self._producer_alive():
+                    raise StreamBroken(
+                        f"the worker running request {self.request_id} stopped responding"
+                    ) from None
+                if time.monotonic() - last_chunk_at >= self._stall_timeout_s:
+                    raise StreamBroken(
+                        f"no tokens for request {self.request_id} in {self._stall_timeout_s:.0f} s"
+                    ) from None
+                continue
+            last_chunk_at = time.monotonic()
             chunk = _decoder.decode(msg.data)
             if chunk.index != expected:
                 raise StreamBroken(

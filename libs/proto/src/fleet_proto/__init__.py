@@ -26,7 +26,15 @@ from fleet_proto.events import (
     ServiceStarted,
     ServiceStopped,
 )
-from fleet_proto.messages import CancelRequest, GenerateTask, NodeMetrics, SamplingParams, TokenChunk
+from fleet_proto.messages import (
+    CancelRequest,
+    GenerateTask,
+    NodeMetrics,
+    RouteReply,
+    RouteRequest,
+    SamplingParams,
+    TokenChunk,
+)
 from fleet_proto.state import State
 
 __all__ = [
@@ -53,6 +61,8 @@ __all__ = [
     "NodeJoined",
     "NodeLeft",
     "NodeMetrics",
+    "RouteReply",
+    "RouteRequest",
     "SamplingParams",
     "ServiceInfo",
     "ServiceKind",

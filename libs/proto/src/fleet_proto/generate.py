@@ -26,7 +26,7 @@ def _dump(value: object) -> str:
 def _message_types() -> list[type]:
     seen: dict[str, type] = {}
     for channel in CHANNELS:
-        for message in channel.messages:
+        for message in (*channel.messages, *((channel.reply,) if channel.reply else ())):
             seen[message.__name__] = message
     seen[State.__name__] = State
     return [seen[name] for name in sorted(seen)]
@@ -61,8 +61,17 @@ def _asyncapi(components: dict[str, object]) -> dict[str, object]:
         params = [part[1:-1] for part in channel.subject.split(".") if part.startswith("{")]
         if params:
             entry["parameters"] = {p: {"description": f"{p}: one subject token"} for p in params}
+        operation: dict[str, object] = {"action": "send", "channel": {"$ref": f"#/channels/{cid}"}}
+        if channel.reply is not None:
+            name = channel.reply.__name__
+            messages[name] = {
+                "name": name,
+                "contentType": "application/json",
+                "payload": {"$ref": f"#/components/schemas/{name}"},
+            }
+            operation["reply"] = {"messages": [{"$ref": f"#/components/messages/{name}"}]}
         channels[cid] = entry
-        operations[f"publish_{cid}"] = {"action": "send", "channel": {"$ref": f"#/channels/{cid}"}}
+        operations[f"publish_{cid}"] = operation
     return {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {

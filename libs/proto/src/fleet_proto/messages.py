@@ -57,3 +57,23 @@ class NodeMetrics(Frozen):
     memory_available_bytes: int
     cpu_percent: float
     disk_free_bytes: int
+    # instance_id -> requests running in it now: the scheduler's load signal
+    active_requests: dict[str, int] = {}
+
+
+class RouteRequest(Frozen):
+    """Gateway -> scheduler on `fleet.route`: where should this request run?"""
+
+    request_id: str
+    model_id: str
+    prompt_tokens: int
+    block_hashes: tuple[str, ...] = ()
+
+
+class RouteReply(Frozen):
+    """The scheduler's decision (instance and the worker to send the task to), or why there is none."""
+
+    instance_id: str = ""
+    worker_id: str = ""
+    reason: str = ""
+    error: str = ""

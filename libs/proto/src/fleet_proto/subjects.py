@@ -12,7 +12,14 @@ import msgspec
 
 from fleet_proto.commands import COMMAND_TYPES
 from fleet_proto.events import EVENT_TYPES
-from fleet_proto.messages import CancelRequest, GenerateTask, NodeMetrics, TokenChunk
+from fleet_proto.messages import (
+    CancelRequest,
+    GenerateTask,
+    NodeMetrics,
+    RouteReply,
+    RouteRequest,
+    TokenChunk,
+)
 
 
 class Retention(StrEnum):
@@ -92,6 +99,9 @@ def command_subject(kind: type) -> str:
     return f"fleet.cmd.{_tag(kind)}"
 
 
+ROUTE_SUBJECT = "fleet.route"
+
+
 def task_subject(worker_id: str) -> str:
     return f"fleet.task.{subject_token(worker_id)}"
 
@@ -147,6 +157,13 @@ CHANNELS: tuple[Channel, ...] = (
         messages=(CancelRequest,),
         retention=Retention.CORE,
         description="Cancel one request wherever it runs.",
+    ),
+    Channel(
+        subject=ROUTE_SUBJECT,
+        messages=(RouteRequest,),
+        reply=RouteReply,
+        retention=Retention.CORE,
+        description="Routing decision, gateway -> scheduler (request/reply).",
     ),
     Channel(
         subject="fleet.metrics.{node_id}",

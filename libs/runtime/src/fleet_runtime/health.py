@@ -35,8 +35,13 @@ def health_handler(
     return handle
 
 
-async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+async def start_http(
+    app: web.Application, host: str, port: int, cancel_on_disconnect: bool = False
+) -> web.AppRunner:
+    """Serve `app`; with cancel_on_disconnect, a handler is cancelled when its client goes away."""
+    runner = web.AppRunner(
+        app, handle_signals=False, access_log=None, handler_cancellation=cancel_on_disconnect
+    )
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

@@ -1,6 +1,7 @@
-"""Engine worker: announces its node, publishes node metrics about once a second.
+"""Engine worker: announces its node, runs the instances placed on it, publishes node metrics.
 
-Engines and task execution arrive with issue 3 (MLX) and issue 7 (vLLM).
+Tasks arrive on the FLEET_TASK work queue (`fleet.task.<node_id>`) and are acked once the engine
+has accepted them; tokens go back on core NATS `fleet.tok.<request_id>`.
 """
 
 from __future__ import annotations
@@ -9,30 +10,63 @@ import asyncio
 import time
 from pathlib import Path
 
-from fleet_proto import NodeJoined, NodeLeft, ServiceKind
+import msgspec
+from nats.aio.msg import Msg
+
+from fleet_bus import consume_tasks
+from fleet_proto import CancelRequest, GenerateTask, NodeJoined, NodeLeft, ServiceKind
 from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
+from fleet_store import ObjectStore
+from fleet_worker.instances import InstanceManager
 from fleet_worker.probe import node_id_from, node_info, node_metrics
 
 METRICS_INTERVAL_S = 1.0
 
 
-async def publish_metrics(ctx: ServiceContext, node_id: str, model_dir: Path) -> None:
+async def publish_metrics(
+    ctx: ServiceContext, node_id: str, model_dir: Path, manager: InstanceManager
+) -> None:
     while True:
-        await ctx.bus.publish(
-            metrics_subject(node_id), await asyncio.to_thread(node_metrics, node_id, model_dir)
-        )
+        sample = await asyncio.to_thread(node_metrics, node_id, model_dir)
+        sample = msgspec.structs.replace(sample, active_requests=manager.active_requests())
+        await ctx.bus.publish(metrics_subject(node_id), sample)
         await asyncio.sleep(METRICS_INTERVAL_S)
+
+
+async def follow_assignments(ctx: ServiceContext, manager: InstanceManager) -> None:
+    async with ctx.follower.listen() as live:
+        await manager.reconcile(ctx.follower.state)
+        async for _ in live:
+            await manager.reconcile(ctx.follower.state)
 
 
 async def main(ctx: ServiceContext) -> None:
     node_id = ctx.node_id = node_id_from(ctx.settings.resolved_node_id())
     model_dir = Path(ctx.settings.state_dir) / "models"
+    store = ObjectStore.from_settings(ctx.settings)
+    manager = InstanceManager(ctx, node_id, store, model_dir)
     info = await asyncio.to_thread(node_info, node_id, model_dir)
     await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
-    ctx.spawn(publish_metrics(ctx, node_id, model_dir), "node-metrics")
+
+    cancel_decoder = msgspec.json.Decoder(CancelRequest)
+
+    async def on_cancel(msg: Msg) -> None:
+        try:
+            manager.cancel(cancel_decoder.decode(msg.data).request_id)
+        except msgspec.ValidationError:
+            return
+
+    cancel_sub = await ctx.bus.nc.subscribe("fleet.cancel.*", cb=on_cancel)
+    task_decoder = msgspec.json.Decoder(GenerateTask)
+    ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager), "node-metrics")
+    ctx.spawn(follow_assignments(ctx, manager), "assignments")
+    ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, manager.on_task), "tasks")
 
     async def leave() -> None:
+        await cancel_sub.unsubscribe()
+        await manager.close()
+        store.close()
         await ctx.bus.publish_event(NodeLeft(node_id=node_id, reason="worker stopped", origin=ctx.service_id))
 
     ctx.on_shutdown(leave)

@@ -1,21 +1,52 @@
-"""Gateway service: serves the HTTP APIs on FLEET_GATEWAY_HOST:FLEET_GATEWAY_PORT."""
+"""Gateway service: the HTTP APIs on FLEET_GATEWAY_HOST:FLEET_GATEWAY_PORT.
+
+/health, /state, /events; admin: /models, /instances; OpenAI: /v1/chat/completions, /v1/models.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 from aiohttp import web
 
+from fleet_gateway.admin import admin_routes
 from fleet_gateway.app import state_routes
+from fleet_gateway.errors import error_middleware
+from fleet_gateway.generation import Generator, NodeLiveness
+from fleet_gateway.models import ModelCatalog
+from fleet_gateway.openai_routes import openai_routes
 from fleet_proto import ServiceKind
 from fleet_runtime.health import health_handler, start_http
 from fleet_runtime.service import ServiceContext, run
+from fleet_store import ObjectStore
+
+MAX_BODY_BYTES = 8 * 2**20
 
 
 async def main(ctx: ServiceContext) -> None:
-    app = web.Application()
+    store = ObjectStore.from_settings(ctx.settings)
+    await asyncio.to_thread(store.check)
+    liveness = NodeLiveness()
+    metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=liveness.on_metrics)
+    catalog = ModelCatalog(store, Path(ctx.settings.state_dir) / "gateway" / "tokenizers")
+    generator = Generator(ctx.bus, ctx.follower, liveness)
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
     app.add_routes(state_routes(ctx.follower))
-    runner = await start_http(app, ctx.settings.gateway_host, ctx.settings.gateway_port)
-    ctx.on_shutdown(runner.cleanup)
+    app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
+    app.add_routes(openai_routes(generator, catalog, ctx.follower))
+    runner = await start_http(
+        app, ctx.settings.gateway_host, ctx.settings.gateway_port, cancel_on_disconnect=True
+    )
+
+    async def close() -> None:
+        await runner.cleanup()
+        await metrics_sub.unsubscribe()
+        store.close()
+
+    ctx.on_shutdown(close)
 
 
 def cli() -> None:

@@ -1,0 +1,185 @@
+"""Model sources: parse the `source` of a DownloadModel command and find the files it names.
+
+`parse_source` is pure (syntax only); `locate` looks at the local file system and installed packages.
+
+    pkg:<python-package>        a package that ships weights (one *.gguf, or a HF folder)
+    gguf:///abs/path/file.gguf  one local GGUF file
+    file:///abs/dir             a local Hugging Face folder (config.json + *.safetensors)
+    org/name[@revision]         a Hugging Face hub repo (recognised; fetching it arrives with issue 5)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urlsplit
+
+import msgspec
+
+SOURCE_FORMS = "pkg:<package>, gguf:///abs/file.gguf, file:///abs/dir or org/name[@revision]"
+
+# PEP 508 distribution names.
+_PACKAGE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
+# Hugging Face repo ids: one namespace and one name, each letters, digits, '-', '_', '.' (max 96).
+_HUB_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+class SourceError(ValueError):
+    """A source that is malformed, or names files that are not there."""
+
+
+class UnsupportedSource(SourceError):
+    """A well-formed source this downloader cannot fetch (yet)."""
+
+
+class PackageSource(msgspec.Struct, frozen=True):
+    package: str
+
+
+class GgufFileSource(msgspec.Struct, frozen=True):
+    path: Path
+
+
+class LocalFolderSource(msgspec.Struct, frozen=True):
+    path: Path
+
+
+class HubSource(msgspec.Struct, frozen=True):
+    repo_id: str
+    revision: str = ""  # "" = the repo's default branch
+
+
+Source = PackageSource | GgufFileSource | LocalFolderSource | HubSource
+LocalSource = GgufFileSource | LocalFolderSource
+
+
+# --- parsing (pure) ----------------------------------------------------------------------------
+
+
+def _local_path(text: str, scheme: str) -> Path:
+    parts = urlsplit(text)
+    if parts.netloc not in ("", "localhost"):
+        raise SourceError(f"{text!r}: {scheme}:// takes a local path, not a host ({parts.netloc!r})")
+    if parts.query or parts.fragment:
+        raise SourceError(f"{text!r}: {scheme}:// takes a plain path, without '?' or '#'")
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        raise SourceError(f"{text!r}: {scheme}:// needs an absolute path ({scheme}:///abs/path)")
+    if "\0" in path or ".." in PurePosixPath(path).parts:
+        raise SourceError(f"{text!r}: the path may not contain '..' or NUL")
+    return Path(path)
+
+
+def _parse_hub(text: str) -> HubSource:
+    repo_id, at, revision = text.partition("@")
+    if at and not revision:
+        raise SourceError(f"{text!r}: empty revision after '@'")
+    if any(char.isspace() for char in revision):
+        raise SourceError(f"{text!r}: the revision may not contain spaces")
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(_HUB_PART.match(part) for part in parts):
+        raise SourceError(f"{text!r} is not a model source; expected {SOURCE_FORMS}")
+    if any("--" in part or ".." in part or part.endswith(".") for part in parts):
+        raise SourceError(f"{text!r}: a hub repo id may not contain '--' or '..', or end with '.'")
+    return HubSource(repo_id=repo_id, revision=revision)
+
+
+def parse_source(text: str) -> Source:
+    """The typed source `text` names; SourceError when it is malformed."""
+    text = text.strip()
+    if not text:
+        raise SourceError(f"empty source; expected {SOURCE_FORMS}")
+    if text.startswith("pkg:"):
+        package = text.removeprefix("pkg:")
+        if not _PACKAGE.match(package):
+            raise SourceError(f"{text!r}: {package!r} is not a Python package name")
+        return PackageSource(package)
+    if text.startswith("gguf:"):
+        path = _local_path(text, "gguf")
+        if path.suffix.lower() != ".gguf":
+            raise SourceError(f"{text!r}: a gguf:// source names a .gguf file")
+        return GgufFileSource(path)
+    if text.startswith("file:"):
+        return LocalFolderSource(_local_path(text, "file"))
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme:
+        raise UnsupportedSource(f"{text!r}: unsupported scheme {scheme.group(1)!r}; expected {SOURCE_FORMS}")
+    return _parse_hub(text)
+
+
+def source_kind(source: Source) -> str:
+    """A short word for logs and errors: pkg, gguf, file or hub."""
+    match source:
+        case PackageSource():
+            return "pkg"
+        case GgufFileSource():
+            return "gguf"
+        case LocalFolderSource():
+            return "file"
+        case HubSource():
+            return "hub"
+
+
+# --- finding the files (reads the file system) -------------------------------------------------
+
+
+def check_hf_folder(folder: Path) -> LocalFolderSource:
+    """folder, if it holds a Hugging Face model: config.json and safetensors weights."""
+    if not folder.is_dir():
+        raise SourceError(f"{folder} is not a directory")
+    if not (folder / "config.json").is_file():
+        raise SourceError(f"{folder} has no config.json: not a Hugging Face model folder")
+    if not any(folder.glob("*.safetensors")):
+        raise SourceError(f"{folder} has no *.safetensors weights")
+    return LocalFolderSource(folder)
+
+
+def check_gguf_file(path: Path) -> GgufFileSource:
+    if not path.is_file():
+        raise SourceError(f"GGUF file {path} does not exist")
+    with path.open("rb") as file:
+        if file.read(4) != b"GGUF":
+            raise SourceError(f"{path} is not a GGUF file (no GGUF magic)")
+    return GgufFileSource(path)
+
+
+def package_weights(package: str) -> LocalSource:
+    """The weights an installed package ships: its single *.gguf file, else its one HF folder."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise SourceError(f"pkg:{package}: Python package {package!r} is not installed") from None
+    files = [Path(str(dist.locate_file(file))) for file in dist.files or ()]
+    ggufs = sorted(path for path in files if path.suffix.lower() == ".gguf")
+    if len(ggufs) > 1:
+        names = ", ".join(path.name for path in ggufs)
+        raise SourceError(f"pkg:{package}: ships {len(ggufs)} GGUF files ({names}); name one with gguf://")
+    if ggufs:
+        return check_gguf_file(ggufs[0])
+    folders = sorted(
+        {path.parent for path in files if path.name == "config.json"}
+        & {path.parent for path in files if path.suffix == ".safetensors"}
+    )
+    if len(folders) > 1:
+        raise SourceError(f"pkg:{package}: ships {len(folders)} model folders; name one with file://")
+    if folders:
+        return check_hf_folder(folders[0])
+    raise SourceError(f"pkg:{package}: the package ships no *.gguf file and no model folder")
+
+
+def locate(source: Source) -> LocalSource:
+    """The local file or folder behind source; UnsupportedSource for hub repos (issue 5)."""
+    match source:
+        case PackageSource(package):
+            return package_weights(package)
+        case GgufFileSource(path):
+            return check_gguf_file(path)
+        case LocalFolderSource(path):
+            return check_hf_folder(path)
+        case HubSource(repo_id, revision):
+            at = f"@{revision}" if revision else ""
+            raise UnsupportedSource(
+                f"{repo_id}{at}: fetching from the Hugging Face hub is not supported yet (issue 5); "
+                "use pkg:, gguf:// or file:// sources"
+            )

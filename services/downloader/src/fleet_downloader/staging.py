@@ -1,0 +1,80 @@
+"""Stage a model into object storage: resolve its source to a local HF folder, then upload it.
+
+Blocking (file I/O, torch, S3): the service runs it with asyncio.to_thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fleet_downloader.convert import CONVERTER_VERSION, gguf_to_hf_folder
+from fleet_downloader.progress import StageProgress
+from fleet_downloader.sources import GgufFileSource, LocalFolderSource, locate, parse_source
+from fleet_proto import DownloadPhase
+from fleet_store import (
+    MODELS_BUCKET,
+    ModelManifest,
+    ObjectStore,
+    load_manifest,
+    manifest_key,
+    sha256_file,
+    stage_folder,
+)
+
+log = logging.getLogger("fleet_downloader.staging")
+
+
+def _ignore(phase: DownloadPhase, done: int, total: int) -> None:
+    pass
+
+
+def converted_folder(gguf: Path, work_dir: Path) -> Path:
+    """Where the HF folder converted from this GGUF is cached: keyed by content and converter version."""
+    return work_dir / "converted" / f"{sha256_file(gguf)[:24]}-v{CONVERTER_VERSION}"
+
+
+def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _ignore) -> Path:
+    """A local HF folder with the model `source` names, converting a GGUF once (cached under work_dir)."""
+    located = locate(parse_source(source))
+    match located:
+        case LocalFolderSource(path):
+            return path
+        case GgufFileSource(path):
+            size = path.stat().st_size
+            progress(DownloadPhase.CONVERTING, 0, size)
+            out_dir = converted_folder(path, work_dir)
+            # Renamed into place only when complete, so its presence means a finished conversion.
+            if out_dir.is_dir():
+                log.info("using %s, converted earlier from %s", out_dir, path)
+            else:
+                log.info("converting %s to %s", path, out_dir)
+                gguf_to_hf_folder(path, out_dir)
+            progress(DownloadPhase.CONVERTING, size, size)
+            return out_dir
+
+
+def stage_model(
+    store: ObjectStore,
+    model_id: str,
+    source: str,
+    revision: str = "main",
+    *,
+    work_dir: Path,
+    progress: StageProgress | None = None,
+) -> ModelManifest:
+    """The model's manifest in fleet-models, staging it from source first unless it is already there.
+
+    A model is identified by (model_id, revision): an existing manifest is returned as it is,
+    whatever source it was staged from.
+    """
+    report = progress or _ignore
+    if store.exists(MODELS_BUCKET, manifest_key(model_id, revision)):  # also validates both
+        log.info("%s@%s is already staged", model_id, revision)
+        return load_manifest(store, MODELS_BUCKET, model_id, revision)
+    folder = local_model_folder(source, Path(work_dir), report)
+
+    def uploading(done: int, total: int) -> None:
+        report(DownloadPhase.UPLOADING, done, total)
+
+    return stage_folder(store, MODELS_BUCKET, model_id, revision, folder, source, uploading)

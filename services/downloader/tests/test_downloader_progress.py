@@ -1,0 +1,29 @@
+"""The progress rate limit and failure reasons (pure)."""
+
+from __future__ import annotations
+
+from fleet_downloader.main import failure_reason
+from fleet_downloader.progress import Throttle
+from fleet_downloader.sources import SourceError
+from fleet_proto import DownloadPhase
+
+
+def test_throttle_allows_two_per_second_within_a_phase():
+    throttle = Throttle(0.5)
+    allowed = [t / 100 for t in range(0, 300) if throttle.allow(DownloadPhase.UPLOADING, t / 100)]
+    assert allowed == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+
+
+def test_throttle_always_allows_a_phase_change():
+    throttle = Throttle(0.5)
+    assert throttle.allow(DownloadPhase.CONVERTING, 10.0)
+    assert not throttle.allow(DownloadPhase.CONVERTING, 10.1)
+    assert throttle.allow(DownloadPhase.UPLOADING, 10.2)
+    assert not throttle.allow(DownloadPhase.UPLOADING, 10.3)
+    assert throttle.allow(DownloadPhase.UPLOADING, 10.7)
+
+
+def test_failure_reason_is_the_message_for_source_errors_and_typed_otherwise():
+    assert failure_reason(SourceError("pkg:x: not installed")) == "pkg:x: not installed"
+    assert failure_reason(OSError("disk full")) == "OSError: disk full"
+    assert len(failure_reason(RuntimeError("x" * 10_000))) == 2000

@@ -1,0 +1,210 @@
+"""The downloader service through real NATS (JetStream) and S3: commands in, progress events out."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fleet_bus import Bus, ensure_streams
+from fleet_downloader.main import CONSUMER, Downloader, ProgressPublisher
+from fleet_proto import DownloadModel, DownloadPhase, DownloadProgressed
+from fleet_proto.subjects import CMD_STREAM, event_subject
+from fleet_store import MODELS_BUCKET, fetch_model, load_manifest
+
+FINAL = (DownloadPhase.DONE, DownloadPhase.FAILED)
+
+
+def unique_model_id() -> str:
+    return f"test-org/tiny-{uuid.uuid4().hex[:8]}"
+
+
+async def connected(url: str) -> Bus:
+    bus = await Bus.connect(url, "downloader-test")
+    await ensure_streams(bus.js)
+    return bus
+
+
+@asynccontextmanager
+async def progress_events(bus: Bus) -> AsyncIterator[asyncio.Queue[DownloadProgressed]]:
+    """Every DownloadProgressed published while the block runs, in order."""
+    queue: asyncio.Queue[DownloadProgressed] = asyncio.Queue()
+    async with bus.subscription(event_subject(DownloadProgressed), DownloadProgressed) as messages:
+
+        async def pump() -> None:
+            async for event in messages:
+                queue.put_nowait(event)
+
+        task = asyncio.create_task(pump())
+        try:
+            yield queue
+        finally:
+            task.cancel()
+
+
+async def until_final(queue: asyncio.Queue[DownloadProgressed], model_id: str) -> list[DownloadProgressed]:
+    seen: list[DownloadProgressed] = []
+    async with asyncio.timeout(60):
+        while not seen or seen[-1].phase not in FINAL:
+            event = await queue.get()
+            if event.model_id == model_id:
+                seen.append(event)
+    return seen
+
+
+async def command_acked(bus: Bus) -> None:
+    """Wait until the downloader's consumer has nothing pending and the work queue is empty."""
+    async with asyncio.timeout(10):
+        while True:
+            info = await bus.js.consumer_info(CMD_STREAM.name, CONSUMER)
+            stream = await bus.js.stream_info(CMD_STREAM.name)
+            if info.num_ack_pending == 0 and info.num_pending == 0 and stream.state.messages == 0:
+                assert info.num_redelivered == 0
+                return
+            await asyncio.sleep(0.05)
+
+
+def start_service(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "fleet_downloader"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+@asynccontextmanager
+async def downloader_task(bus: Bus, store, work_dir: Path) -> AsyncIterator[Downloader]:
+    downloader = Downloader(bus, store, work_dir, "downloader-test")
+    task = asyncio.create_task(downloader.run())
+    try:
+        yield downloader
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_service_process_stages_a_folder_and_reports_done(
+    fresh_nats, s3_server, store, tiny_folder, tmp_path
+):
+    bus = await connected(fresh_nats.url)
+    env = os.environ | {
+        "FLEET_NATS_URL": fresh_nats.url,
+        "FLEET_S3_ENDPOINT": s3_server.url,
+        "FLEET_HEALTH_PORT": "0",
+        "FLEET_STATE_DIR": str(tmp_path / "state"),
+        "FLEET_LOG_FORMAT": "text",
+    }
+    log_path = tmp_path / "downloader.log"
+    proc = start_service(env, log_path)
+    model_id = unique_model_id()
+    try:
+        async with progress_events(bus) as events:
+            await bus.publish_command(
+                DownloadModel(command_id="cmd-1", model_id=model_id, source=f"file://{tiny_folder}")
+            )
+            seen = await until_final(events, model_id)
+        await command_acked(bus)
+    finally:
+        await bus.close()
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            returncode = await asyncio.to_thread(proc.wait, 15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+
+    log_text = log_path.read_text()
+    assert returncode == 0, log_text
+    final = seen[-1]
+    assert final.phase == DownloadPhase.DONE, final.reason or log_text
+    assert {e.phase for e in seen[:-1]} <= {DownloadPhase.UPLOADING}
+    manifest = load_manifest(store, MODELS_BUCKET, model_id, "main")
+    assert final.done_bytes == final.total_bytes == manifest.total_size
+    assert all(e.origin.startswith("downloader-") for e in seen)
+    fetched = fetch_model(store, MODELS_BUCKET, manifest, tmp_path / "fetched")
+    assert len(fetched.downloaded) == 3
+    for file in manifest.files:
+        assert (tmp_path / "fetched" / file.path).read_bytes() == (tiny_folder / file.path).read_bytes()
+    assert (tmp_path / "state" / "downloader").is_dir()
+
+
+async def test_bad_sources_end_in_failed_with_a_reason_and_are_not_redelivered(fresh_nats, store, tmp_path):
+    bus = await connected(fresh_nats.url)
+    cases = {
+        unique_model_id(): (
+            "gguf:///nonexistent/model.gguf",
+            "GGUF file /nonexistent/model.gguf does not exist",
+        ),
+        unique_model_id(): ("org/model@main", "fetching from the Hugging Face hub is not supported yet"),
+        unique_model_id(): ("pkg:fleet-no-such-package", "'fleet-no-such-package' is not installed"),
+    }
+    try:
+        async with downloader_task(bus, store, tmp_path / "work"), progress_events(bus) as events:
+            for index, (model_id, (source, _)) in enumerate(cases.items()):
+                await bus.publish_command(
+                    DownloadModel(command_id=f"bad-{index}", model_id=model_id, source=source)
+                )
+            for model_id, (_, reason) in cases.items():
+                seen = await until_final(events, model_id)
+                assert [e.phase for e in seen] == [DownloadPhase.FAILED]
+                assert reason in seen[-1].reason
+                assert seen[-1].origin == "downloader-test"
+            await command_acked(bus)
+            # Nothing more arrives for them: the commands were acked, not redelivered.
+            await asyncio.sleep(1.0)
+            assert events.empty()
+    finally:
+        await bus.close()
+    for model_id in cases:
+        assert store.list_keys(MODELS_BUCKET, f"{model_id}/") == []
+
+
+async def test_an_already_staged_model_is_done_without_uploading_again(
+    fresh_nats, store, tiny_folder, tmp_path
+):
+    bus = await connected(fresh_nats.url)
+    model_id = unique_model_id()
+    command = DownloadModel(command_id="same", model_id=model_id, source=f"file://{tiny_folder}")
+    try:
+        async with downloader_task(bus, store, tmp_path / "work"), progress_events(bus) as events:
+            await bus.publish_command(command)
+            first = await until_final(events, model_id)
+            await bus.publish_command(command)
+            second = await until_final(events, model_id)
+            await command_acked(bus)
+    finally:
+        await bus.close()
+    assert first[-1].phase == DownloadPhase.DONE
+    assert DownloadPhase.UPLOADING in {e.phase for e in first}
+    assert [(e.phase, e.done_bytes, e.total_bytes) for e in second] == [
+        (DownloadPhase.DONE, first[-1].total_bytes, first[-1].total_bytes)
+    ]
+
+
+async def test_progress_is_rate_limited_and_ordered_before_the_final_event(fresh_nats):
+    bus = await connected(fresh_nats.url)
+    try:
+        async with progress_events(bus) as events:
+            publisher = ProgressPublisher(bus, "test-org/progress", "downloader-test", min_interval_s=0.5)
+
+            def stage() -> None:  # a fast staging thread: 2,000 reports in well under 0.5 s per phase
+                for done in range(1000):
+                    publisher.report(DownloadPhase.CONVERTING, done, 1000)
+                for done in range(1000):
+                    publisher.report(DownloadPhase.UPLOADING, done, 1000)
+
+            await asyncio.to_thread(stage)
+            await publisher.finish(DownloadPhase.DONE, 1000, 1000)
+            seen = await until_final(events, "test-org/progress")
+    finally:
+        await bus.close()
+    assert [(e.phase, e.done_bytes) for e in seen] == [
+        (DownloadPhase.CONVERTING, 0),
+        (DownloadPhase.UPLOADING, 0),
+        (DownloadPhase.DONE, 1000),
+    ]

@@ -1,0 +1,269 @@
+"""An engine in a child process, so that its crash or out-of-memory kill never takes the worker down.
+
+Parent and child exchange msgspec structs, msgpack-encoded, over a multiprocessing Pipe. The child
+(a "spawn" process: a fresh interpreter, nothing inherited from the worker's event loop or threads)
+loads the engine, reports Loaded or LoadFailed, then loops: take every pending command (waiting for
+one only when idle), step the engine, send the step's outputs. The parent side lives on the asyncio
+loop: it reads with loop.add_reader on the pipe and watches the process sentinel, so a dead child is
+noticed at once and every request still in flight gets a final "error" output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import signal
+import time
+from collections.abc import AsyncIterator, Mapping
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from fleet_worker.engines.base import Engine, EngineOutput, EngineRequest, load_engine
+
+
+class Submit(msgspec.Struct, frozen=True, tag=True):
+    request: EngineRequest
+
+
+class Cancel(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class Loaded(msgspec.Struct, frozen=True, tag=True):
+    load_time_s: float
+
+
+class LoadFailed(msgspec.Struct, frozen=True, tag=True):
+    reason: str
+
+
+class Outputs(msgspec.Struct, frozen=True, tag=True):
+    outputs: list[EngineOutput]
+
+
+ToChild = Submit | Cancel | Shutdown
+FromChild = Loaded | LoadFailed | Outputs
+
+
+class EngineLoadError(RuntimeError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EngineProcessExited(RuntimeError):
+    """A command was sent to an engine process that has already exited."""
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def run_child(conn: Connection, engine_name: str, model_dir: str, options: dict[str, Any]) -> None:
+    """The child's main: load, then serve commands until Shutdown or until the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    encoder = msgspec.msgpack.Encoder()
+    started = time.perf_counter()
+    try:
+        engine = load_engine(engine_name, Path(model_dir), **options)
+    except Exception as error:
+        conn.send_bytes(encoder.encode(LoadFailed(reason=_describe(error))))
+        return
+    conn.send_bytes(encoder.encode(Loaded(load_time_s=time.perf_counter() - started)))
+    try:
+        _serve(conn, engine, encoder)
+    except (EOFError, OSError):
+        pass  # the parent closed its end or died: nobody is left to read outputs
+    finally:
+        engine.close()
+
+
+def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder) -> None:
+    decoder = msgspec.msgpack.Decoder(ToChild)
+    while True:
+        outputs: list[EngineOutput] = []
+        # Block only when idle; with work in hand take just what has already arrived.
+        while conn.poll(0 if engine.has_work() else None):
+            command = decoder.decode(conn.recv_bytes())
+            if isinstance(command, Shutdown):
+                return
+            if isinstance(command, Cancel):
+                engine.cancel(command.request_id)
+                continue
+            try:
+                engine.add(command.request)
+            except Exception as error:
+                outputs.append(
+                    EngineOutput(
+                        request_id=command.request.request_id, finish_reason="error", error=_describe(error)
+                    )
+                )
+        outputs += engine.step()
+        if outputs:
+            conn.send_bytes(encoder.encode(Outputs(outputs=outputs)))
+
+
+class EngineProcess:
+    """The parent's handle on one engine child; all methods run on the event loop's thread."""
+
+    def __init__(self, process: BaseProcess, conn: Connection) -> None:
+        self._process = process
+        self._conn = conn
+        self._loop = asyncio.get_running_loop()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromChild)
+        self._in_flight: set[str] = set()
+        # One output per item, so a reader that stops iterating mid-step loses nothing; None ends.
+        self._queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+        self._exited = asyncio.Event()
+        self._stopping = False
+        self.load_time_s = 0.0
+
+    @classmethod
+    async def start(
+        cls,
+        engine_name: str,
+        model_dir: Path,
+        options: Mapping[str, Any] | None = None,
+        load_timeout_s: float = 600.0,
+    ) -> EngineProcess:
+        """Start the child and return once its engine has loaded; EngineLoadError otherwise."""
+        context = multiprocessing.get_context("spawn")
+        conn, child_conn = context.Pipe()
+        # daemon: multiprocessing's exit handler then kills a child the worker forgot to stop.
+        process = context.Process(
+            target=run_child,
+            args=(child_conn, engine_name, str(model_dir), dict(options or {})),
+            name=f"fleet-engine-{engine_name}",
+            daemon=True,
+        )
+        process.start()
+        child_conn.close()  # the child holds the only other end: its death reads as EOF here
+        self = cls(process, conn)
+        try:
+            await self._wait_loaded(engine_name, load_timeout_s)
+        except BaseException:
+            self._kill_and_close()
+            raise
+        self._loop.add_reader(conn.fileno(), self._on_readable)
+        self._loop.add_reader(process.sentinel, self._on_exit)
+        return self
+
+    async def _wait_loaded(self, engine_name: str, timeout_s: float) -> None:
+        ready = self._loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        fds = (self._conn.fileno(), self._process.sentinel)
+        for fd in fds:
+            self._loop.add_reader(fd, wake)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await ready
+        except TimeoutError:
+            raise EngineLoadError(f"engine {engine_name!r} did not load within {timeout_s:g} s") from None
+        finally:
+            for fd in fds:
+                self._loop.remove_reader(fd)
+        try:
+            message = self._decoder.decode(self._conn.recv_bytes()) if self._conn.poll() else None
+        except (EOFError, OSError):
+            message = None
+        if isinstance(message, Loaded):
+            self.load_time_s = message.load_time_s
+            return
+        if isinstance(message, LoadFailed):
+            raise EngineLoadError(message.reason)
+        self._process.join(5)
+        raise EngineLoadError(f"engine process exited with code {self._process.exitcode} while loading")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set() and self._process.is_alive()
+
+    def submit(self, request: EngineRequest) -> None:
+        if not self.alive:
+            raise EngineProcessExited(f"engine process {self.pid} is not running")
+        self._in_flight.add(request.request_id)
+        self._send(Submit(request=request))
+
+    def cancel(self, request_id: str) -> None:
+        if request_id in self._in_flight and self.alive:
+            self._send(Cancel(request_id=request_id))
+
+    def _send(self, command: Submit | Cancel | Shutdown) -> None:
+        # A blocking write of a small message: the child drains its commands before every step, so
+        # a full pipe buffer could hold the loop for at most one step.
+        try:
+            self._conn.send_bytes(self._encoder.encode(command))
+        except OSError:
+            pass  # the child is gone; _on_exit reports what was in flight
+
+    async def outputs(self) -> AsyncIterator[EngineOutput]:
+        """Every output in arrival order; ends after the child has exited (and errors were yielded)."""
+        while (output := await self._queue.get()) is not None:
+            yield output
+        self._queue.put_nowait(None)  # a later call ends at once too
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to shut down; kill it if it has not exited within timeout_s."""
+        if self._exited.is_set():
+            return
+        self._stopping = True
+        self._send(Shutdown())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._exited.wait()
+        except TimeoutError:
+            self._process.kill()
+            await self._exited.wait()
+
+    def _on_readable(self) -> None:
+        try:
+            while self._conn.poll():
+                message = self._decoder.decode(self._conn.recv_bytes())
+                if isinstance(message, Outputs):
+                    self._deliver(message.outputs)
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())  # _on_exit finishes up on the sentinel
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        for output in outputs:
+            if output.finish_reason:
+                self._in_flight.discard(output.request_id)
+            self._queue.put_nowait(output)
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._process.sentinel)
+        if not self._conn.closed:
+            self._on_readable()  # what the child sent before it went
+            self._loop.remove_reader(self._conn.fileno())
+        self._process.join(1)  # the sentinel fired: this only reaps
+        code = self._process.exitcode
+        reason = "engine process stopped" if self._stopping else f"engine process exited with code {code}"
+        for request_id in sorted(self._in_flight):
+            self._queue.put_nowait(EngineOutput(request_id=request_id, finish_reason="error", error=reason))
+        self._in_flight.clear()
+        self._queue.put_nowait(None)
+        self._conn.close()
+        self._exited.set()
+
+    def _kill_and_close(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(5)
+        self._conn.close()

@@ -1,0 +1,184 @@
+"""The instances this worker runs: load them when placed here, unload when deleted, run their tasks.
+
+The worker follows State like every service and acts on the instances placed on its node (exo's
+worker pattern): the scheduler decides, the worker reports loading/ready/failed as events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from fleet_bus import Delivery, publish_chunk
+from fleet_proto import (
+    GenerateTask,
+    Instance,
+    InstanceFailed,
+    InstanceLoading,
+    InstanceReady,
+    InstanceStatus,
+    State,
+    TokenChunk,
+)
+from fleet_runtime.service import ServiceContext
+from fleet_store import MODELS_BUCKET, ObjectStore, fetch_model, load_manifest
+from fleet_worker.engine_process import EngineLoadError, EngineProcess
+from fleet_worker.engines.base import EngineOutput, EngineRequest
+
+log = logging.getLogger("fleet_worker")
+DEFAULT_REVISION = "main"
+LOAD_TIMEOUT_S = 600.0
+
+
+def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
+    return TokenChunk(
+        request_id=output.request_id,
+        index=index,
+        token_ids=output.token_ids,
+        finish_reason=output.finish_reason,
+        error=output.error,
+        prompt_tokens=output.prompt_tokens,
+        completion_tokens=output.completion_tokens,
+        prompt_time_s=output.prompt_time_s,
+        decode_time_s=output.decode_time_s,
+    )
+
+
+class RunningInstance:
+    def __init__(self, instance: Instance, engine: EngineProcess) -> None:
+        self.instance = instance
+        self.engine = engine
+        self.next_index: dict[str, int] = {}  # in-flight request -> next chunk index
+        self.pump: asyncio.Task[None] | None = None
+
+
+class InstanceManager:
+    def __init__(self, ctx: ServiceContext, node_id: str, store: ObjectStore, model_root: Path) -> None:
+        self._ctx = ctx
+        self._node_id = node_id
+        self._store = store
+        self._model_root = model_root
+        self._running: dict[str, RunningInstance] = {}
+        self._loading: dict[str, asyncio.Task[None]] = {}
+
+    def active_requests(self) -> dict[str, int]:
+        return {i: len(r.next_index) for i, r in self._running.items()}
+
+    # -- lifecycle, driven by State ------------------------------------------------------------
+    def wanted(self, state: State) -> dict[str, Instance]:
+        return {
+            i.instance_id: i
+            for i in state.instances.values()
+            if i.node_id == self._node_id and i.status != InstanceStatus.FAILED
+        }
+
+    async def reconcile(self, state: State) -> None:
+        wanted = self.wanted(state)
+        for instance_id, instance in wanted.items():
+            if instance_id not in self._running and instance_id not in self._loading:
+                self._loading[instance_id] = asyncio.create_task(
+                    self._load(instance), name=f"load-{instance_id}"
+                )
+        for instance_id in list(self._running.keys() | self._loading.keys()):
+            if instance_id not in state.instances:
+                await self._unload(instance_id)
+
+    async def _publish(self, event) -> None:
+        await self._ctx.bus.publish_event(event)
+
+    async def _load(self, instance: Instance) -> None:
+        ctx, iid = self._ctx, instance.instance_id
+        try:
+            await self._publish(
+                InstanceLoading(instance_id=iid, progress=0.0, origin=ctx.service_id, at=time.time())
+            )
+            folder = await self._fetch(instance)
+            engine = await EngineProcess.start(instance.engine, folder, {}, LOAD_TIMEOUT_S)
+        except (EngineLoadError, Exception) as exc:  # any failure is reported, never lost
+            log.exception("loading %s failed", iid)
+            await self._publish(
+                InstanceFailed(instance_id=iid, reason=str(exc), origin=ctx.service_id, at=time.time())
+            )
+            return
+        finally:
+            self._loading.pop(iid, None)
+        if iid not in ctx.follower.state.instances:  # deleted while loading
+            await engine.stop()
+            return
+        running = RunningInstance(instance, engine)
+        running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
+        self._running[iid] = running
+        await self._publish(InstanceReady(instance_id=iid, origin=ctx.service_id, at=time.time()))
+        log.info("instance %s of %s ready (engine pid %d)", iid, instance.model_id, engine.pid)
+
+    async def _fetch(self, instance: Instance) -> Path:
+        manifest = await asyncio.to_thread(
+            load_manifest, self._store, MODELS_BUCKET, instance.model_id, DEFAULT_REVISION
+        )
+        folder = self._model_root / instance.model_id / DEFAULT_REVISION
+        loop = asyncio.get_running_loop()
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.5 and total:
+                last[0] = now
+                event = InstanceLoading(instance_id=instance.instance_id, progress=0.9 * done / total)
+                asyncio.run_coroutine_threadsafe(self._publish(event), loop)
+
+        await asyncio.to_thread(fetch_model, self._store, MODELS_BUCKET, manifest, folder, progress)
+        return folder
+
+    async def _unload(self, instance_id: str) -> None:
+        loading = self._loading.pop(instance_id, None)
+        if loading is not None:
+            loading.cancel()
+        running = self._running.pop(instance_id, None)
+        if running is None:
+            return
+        await running.engine.stop()
+        if running.pump is not None:
+            await asyncio.gather(running.pump, return_exceptions=True)
+        log.info("instance %s unloaded", instance_id)
+
+    async def close(self) -> None:
+        for instance_id in list(self._running.keys() | self._loading.keys()):
+            await self._unload(instance_id)
+
+    # -- requests ------------------------------------------------------------------------------
+    async def _pump(self, running: RunningInstance) -> None:
+        async for output in running.engine.outputs():
+            index = running.next_index.get(output.request_id, 0)
+            if output.finish_reason:
+                running.next_index.pop(output.request_id, None)
+            else:
+                running.next_index[output.request_id] = index + 1
+            await publish_chunk(self._ctx.bus, to_chunk(output, index))
+        iid = running.instance.instance_id
+        if self._running.get(iid) is running:  # the engine died under us, not an unload
+            self._running.pop(iid)
+            reason = "engine process exited unexpectedly"
+            await self._publish(InstanceFailed(instance_id=iid, reason=reason, origin=self._ctx.service_id))
+
+    async def on_task(self, task: GenerateTask, _: Delivery) -> None:
+        running = self._running.get(task.instance_id)
+        if running is None:
+            error = f"instance {task.instance_id} is not running on {self._node_id}"
+            chunk = TokenChunk(request_id=task.request_id, index=0, finish_reason="error", error=error)
+            await publish_chunk(self._ctx.bus, chunk)
+            return
+        running.next_index[task.request_id] = 0
+        running.engine.submit(
+            EngineRequest(
+                request_id=task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling
+            )
+        )
+
+    def cancel(self, request_id: str) -> None:
+        for running in self._running.values():
+            if request_id in running.next_index:
+                with contextlib.suppress(Exception):
+                    running.engine.cancel(request_id)

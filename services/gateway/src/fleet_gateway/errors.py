@@ -1,0 +1,114 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
+
+Handlers raise ApiError; `error_middleware` turns it (and aiohttp's own HTTP errors, and crashes)
+into that body, so every API answers errors in the shape OpenAI clients parse.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+log = logging.getLogger("fleet_gateway.errors")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def error_type_for(status: int) -> str:
+    """The OpenAI error `type` that goes with an HTTP status."""
+    if status in _TYPE_BY_STATUS:
+        return _TYPE_BY_STATUS[status]
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(
+    status: int, message: str, type: str | None = None, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": type or error_type_for(status),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def api_error(
+    status: int, message: str, type: str | None = None, param: str | None = None, code: str | None = None
+) -> web.Response:
+    """A JSON error response in OpenAI's shape; `type` defaults from the status."""
+    return web.Response(
+        status=status,
+        body=msgspec.json.encode(error_body(status, message, type, param, code)),
+        content_type="application/json",
+    )
+
+
+class ApiError(Exception):
+    """Raised by handlers and adapters; rendered by `error_middleware` (or `.response()`)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or error_type_for(status)
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.type, self.param, self.code)
+
+    def response(self) -> web.Response:
+        return api_error(self.status, self.message, self.type, self.param, self.code)
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r})"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """ApiError and aiohttp HTTP errors (404, 405, 413...) become OpenAI error bodies; crashes a 500."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = api_error(exc.status, exc.text or exc.reason)
+        if "Allow" in exc.headers:  # 405 says which methods the route takes
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return api_error(500, "internal server error")

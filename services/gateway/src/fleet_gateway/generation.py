@@ -1,0 +1,104 @@
+"""The core generation path every API adapter shares: route, publish the task, read the tokens.
+
+Adapters turn a client request into prompt token ids + SamplingParams, then consume TokenChunks
+from `generate()`; cancelling the iteration (client gone) cancels the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from nats.aio.msg import Msg
+
+from fleet_bus import Bus, RequestFailed, StateFollower, TokenStreamReader
+from fleet_proto import (
+    CancelRequest,
+    GenerateTask,
+    NodeMetrics,
+    RouteReply,
+    RouteRequest,
+    SamplingParams,
+    TokenChunk,
+)
+from fleet_proto.routing import route
+from fleet_proto.subjects import ROUTE_SUBJECT, cancel_subject
+
+log = logging.getLogger("fleet_gateway")
+
+ROUTE_TIMEOUT_S = 1.0
+# A live worker may be silent this long (a long prefill on a slow CPU); a dead one is noticed by
+# its missing 1 Hz metrics within NODE_SILENCE_S.
+STALL_TIMEOUT_S = 600.0
+NODE_SILENCE_S = 3.5
+
+
+class NoInstance(Exception):
+    """No ready instance can take the request."""
+
+
+class NodeLiveness:
+    """When each node last published its metrics (they come every second)."""
+
+    def __init__(self) -> None:
+        self._last_seen: dict[str, float] = {}
+        self._decoder = msgspec.json.Decoder(NodeMetrics)
+
+    async def on_metrics(self, msg: Msg) -> None:
+        with contextlib.suppress(msgspec.ValidationError):
+            self._last_seen[self._decoder.decode(msg.data).node_id] = time.monotonic()
+
+    def alive(self, node_id: str) -> bool:
+        seen = self._last_seen.get(node_id)
+        return seen is None or time.monotonic() - seen < NODE_SILENCE_S
+
+
+class Generator:
+    def __init__(self, bus: Bus, follower: StateFollower, liveness: NodeLiveness) -> None:
+        self._bus = bus
+        self._follower = follower
+        self._liveness = liveness
+
+    async def _route(self, request: RouteRequest) -> RouteReply:
+        try:
+            return await self._bus.request(ROUTE_SUBJECT, request, RouteReply, ROUTE_TIMEOUT_S)
+        except RequestFailed as exc:
+            log.warning("scheduler did not route %s (%s); choosing locally", request.request_id, exc)
+            return route(self._follower.state, request, {})
+
+    async def generate(
+        self, request_id: str, model_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenChunk]:
+        decision = await self._route(
+            RouteRequest(request_id=request_id, model_id=model_id, prompt_tokens=len(prompt_token_ids))
+        )
+        if not decision.instance_id:
+            raise NoInstance(decision.error)
+        worker_id = decision.worker_id
+        reader = TokenStreamReader(
+            self._bus, request_id, STALL_TIMEOUT_S, producer_alive=lambda: self._liveness.alive(worker_id)
+        )
+        await reader.open()
+        finished = False
+        try:
+            task = GenerateTask(
+                request_id=request_id,
+                instance_id=decision.instance_id,
+                prompt_token_ids=tuple(prompt_token_ids),
+                sampling=sampling,
+            )
+            await self._bus.publish_task(worker_id, task)
+            async for chunk in reader.chunks():
+                finished = bool(chunk.finish_reason)
+                yield chunk
+        finally:
+            if not finished:  # client gone or stream broken: stop the engine's work too
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(
+                        self._bus.publish(cancel_subject(request_id), CancelRequest(request_id=request_id))
+                    )
+            await reader.close()

@@ -1,0 +1,370 @@
+"""OpenAI chat completions adapter, pure: parse and validate a request, map it to SamplingParams,
+build response bodies and SSE frames. No I/O; the HTTP handler wires these around a generation.
+
+Shapes follow the OpenAI API reference (`chat.completion`, `chat.completion.chunk`, error bodies).
+Fleet extensions accepted in the body: top_k, min_p, repetition_penalty (as in vLLM).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from typing import Any
+
+import msgspec
+
+from fleet_gateway.errors import ApiError
+from fleet_proto.messages import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 4
+ROLES = ("system", "developer", "user", "assistant")
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ContentPart(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """The body of POST /v1/chat/completions; unknown fields are ignored."""
+
+    model: str
+    messages: list[ChatMessage]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension; 0 or -1: off
+    min_p: float | None = None  # extension
+    repetition_penalty: float | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    user: str | None = None
+
+
+# ---------------------------------------------------------------- parsing and validation
+
+_AT_PATH = re.compile(r"^(?P<message>.*?) - at `(?P<path>\$[^`]*)`$", re.DOTALL)
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+
+
+def _param_from_path(path: str) -> str | None:
+    """msgspec's `$.messages[0].role` -> OpenAI's `messages[0].role`; `$` -> None."""
+    rest = path[1:]
+    return rest.removeprefix(".") or None
+
+
+def _validation_error(exc: msgspec.ValidationError) -> ApiError:
+    text = str(exc)
+    path = "$"
+    matched = _AT_PATH.match(text)
+    if matched:
+        text, path = matched["message"], matched["path"]
+    param = _param_from_path(path)
+    missing = _MISSING.match(text)
+    if missing:
+        field = missing["field"]
+        param = f"{param}.{field}" if param else field
+        return ApiError(400, f"Missing required parameter: '{param}'.", param=param)
+    if param is None:
+        return ApiError(400, f"Invalid request body: {text}.")
+    return ApiError(400, f"Invalid type or value for '{param}': {text}.", param=param)
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Decode and validate a request body; raises ApiError(400, ..., param=<field>) when it is wrong."""
+    if not body.strip():
+        raise ApiError(400, "The request body is empty; expected a JSON object.")
+    try:
+        request = msgspec.json.decode(body, type=ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"We could not parse the JSON body of your request: {exc}.") from None
+    validate_chat_request(request)
+    return request
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ApiError(400, message, param=param, code="invalid_value")
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def validate_chat_request(req: ChatCompletionRequest) -> None:
+    """Value checks that the types alone do not express."""
+    _check(bool(req.model.strip()), "model", "'model' must be a non-empty string.")
+    _check(bool(req.messages), "messages", "'messages' must contain at least one message.")
+    for index, message in enumerate(req.messages):
+        _validate_message(index, message)
+    if req.temperature is not None:
+        _check(
+            _finite(req.temperature) and req.temperature >= 0,
+            "temperature",
+            f"Invalid 'temperature': {req.temperature}; expected a number >= 0.",
+        )
+    if req.top_p is not None:
+        _check(
+            _finite(req.top_p) and 0 < req.top_p <= 1,
+            "top_p",
+            f"Invalid 'top_p': {req.top_p}; expected a number in (0, 1].",
+        )
+    if req.top_k is not None:
+        _check(req.top_k >= -1, "top_k", f"Invalid 'top_k': {req.top_k}; expected -1, 0 (off) or > 0.")
+    if req.min_p is not None:
+        _check(
+            _finite(req.min_p) and 0 <= req.min_p <= 1,
+            "min_p",
+            f"Invalid 'min_p': {req.min_p}; expected a number in [0, 1].",
+        )
+    if req.repetition_penalty is not None:
+        _check(
+            _finite(req.repetition_penalty) and req.repetition_penalty > 0,
+            "repetition_penalty",
+            f"Invalid 'repetition_penalty': {req.repetition_penalty}; expected a number > 0.",
+        )
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name)
+        if value is not None:
+            _check(value >= 1, name, f"Invalid '{name}': {value}; expected an integer >= 1.")
+    if req.n is not None:
+        _check(req.n == 1, "n", f"Invalid 'n': {req.n}; only n=1 is supported.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            _check(value == 0, name, f"'{name}' is not supported; only 0 is accepted.")
+    if req.logprobs:
+        raise ApiError(400, "'logprobs' is not supported yet.", param="logprobs")
+    if req.top_logprobs:
+        raise ApiError(400, "'top_logprobs' is not supported yet.", param="top_logprobs")
+    if req.tools:
+        raise ApiError(400, "'tools' (tool calling) is not supported yet.", param="tools")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(
+            400,
+            "The 'stream_options' parameter is only allowed when 'stream' is true.",
+            param="stream_options",
+        )
+    if isinstance(req.stop, list):
+        _check(
+            len(req.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"Invalid 'stop': {len(req.stop)} strings given; at most {MAX_STOP_STRINGS} are allowed.",
+        )
+
+
+def _validate_message(index: int, message: ChatMessage) -> None:
+    where = f"messages[{index}]"
+    if message.role not in ROLES:
+        supported = ", ".join(f"'{role}'" for role in ROLES)
+        raise ApiError(
+            400,
+            f"Invalid value: '{message.role}'. Supported values are: {supported}.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    if message.content is None:
+        _check(message.role == "assistant", f"{where}.content", f"'{where}.content' is required.")
+    elif isinstance(message.content, list):
+        for part_index, part in enumerate(message.content):
+            part_where = f"{where}.content[{part_index}]"
+            _check(
+                part.type == "text",
+                f"{part_where}.type",
+                f"Unsupported content part type '{part.type}'; only 'text' is supported.",
+            )
+            _check(part.text is not None, f"{part_where}.text", f"'{part_where}.text' is required.")
+
+
+# ---------------------------------------------------------------- mapping to the engine
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's content as one string (text parts joined by newlines)."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text or "" for part in message.content)
+
+
+def messages_for_template(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Plain role/content dicts for the chat template; `developer` is rendered as `system`."""
+    messages = []
+    for message in req.messages:
+        item = {"role": "system" if message.role == "developer" else message.role}
+        item["content"] = message_text(message)
+        if message.name is not None:
+            item["name"] = message.name
+        messages.append(item)
+    return messages
+
+
+def stop_strings(req: ChatCompletionRequest) -> list[str]:
+    """The request's stop strings (empty strings dropped)."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    return [stop for stop in stops if stop]
+
+
+def include_usage(req: ChatCompletionRequest) -> bool:
+    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+
+
+def to_sampling(
+    req: ChatCompletionRequest, eos_ids: tuple[int, ...] | list[int], max_model_len: int, prompt_len: int
+) -> SamplingParams:
+    """SamplingParams for the worker; 400 when the prompt plus the completion exceed the context."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your messages "
+            f"resulted in {prompt_len} tokens. Please reduce the length of the messages.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if requested is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    elif requested > room:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
+            f"completion). Please reduce the length of the messages or completion.",
+            param=name,
+            code="context_length_exceeded",
+        )
+    else:
+        max_tokens = requested
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def openai_finish_reason(reason: str) -> str:
+    """Fleet's TokenChunk.finish_reason -> OpenAI's ("length" or "stop"; a stop string is "stop")."""
+    return "length" if reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """A non-streamed `chat.completion` body."""
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "system_fingerprint": None,
+    }
+
+
+def chunk(
+    id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    *,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk`; with include_usage, `usage: null` as OpenAI sends on every chunk."""
+    body: dict[str, Any] = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def first_chunk(id: str, model: str, created: int, *, include_usage: bool = False) -> dict[str, Any]:
+    """The stream's first chunk: the assistant role with empty content."""
+    return chunk(id, model, created, {"role": "assistant", "content": ""}, include_usage=include_usage)
+
+
+def usage_chunk(
+    id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """The last chunk before [DONE] when stream_options.include_usage: no choices, the usage."""
+    return {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"

@@ -1,0 +1,318 @@
+"""OpenAI chat completions through the whole embedded stack on a real MLX engine.
+
+A tiny random llama (with a ChatML tokenizer) is staged from a local folder through the downloader
+into S3, placed by the scheduler, loaded by the engine-worker; the official `openai` client talks to
+the gateway. Greedy output is compared token for token with mlx-lm run directly on the same folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import aiohttp
+import msgspec
+import openai
+import pytest
+
+from fleet_bus import Bus
+from fleet_local import stack
+from fleet_local.processes import free_port, pid_alive
+from fleet_proto import TokenChunk
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny/llama-chat"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def load_module(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny_model = load_module(REPO / "services/engine-worker/tests/tiny_model.py")
+tiny_tokenizer = load_module(REPO / "services/gateway/tests/tiny_tokenizer.py")
+
+
+def make_chat_model(folder: Path) -> Path:
+    """Tiny llama weights with the ChatML tokenizer (same special ids: 2 ends a turn)."""
+    tiny_model.make_tiny_llama(folder)
+    tiny_tokenizer.make_tiny_tokenizer_folder(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
+    model_dir = make_chat_model(tmp_path_factory.mktemp("model"))
+    state_dir = tmp_path_factory.mktemp("fleet-chat")
+    up = subprocess.run(
+        [sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
+         "--port", str(free_port()), "--model", MODEL, "--model-source", f"file://{model_dir}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    manifest = stack.read_manifest(state_dir)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert manifest is not None
+        manifest.state_dir = str(state_dir)
+        yield manifest
+    finally:
+        stack.down(state_dir)
+    assert all(not pid_alive(p.pid, p.started_at) for p in manifest.processes)
+
+
+@pytest.fixture(scope="module")
+def model_dir(chat_stack) -> Path:
+    return Path(chat_stack.state_dir) / "models" / MODEL / "main"
+
+
+@pytest.fixture
+def client(chat_stack) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{chat_stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def mlx_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation on the same folder, in a separate process (MLX is per thread)."""
+    code = (
+        "import json, sys, mlx.core as mx\n"
+        "from mlx_lm import load\nfrom mlx_lm.generate import generate_step\n"
+        "model, _ = load(sys.argv[1]); prompt = json.loads(sys.argv[2]); n = int(sys.argv[3])\n"
+        "sampler = lambda logits: mx.argmax(logits, axis=-1)\n"
+        "steps = generate_step(mx.array(prompt), model, sampler=sampler)\n"
+        "out = [int(t) for (t, _), _ in zip(steps, range(n))]\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir), json.dumps(prompt), str(max_tokens)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def prompt_ids(model_dir: Path, messages) -> list[int]:
+    from fleet_gateway.tokenizer import ChatTokenizer
+
+    return ChatTokenizer.from_folder(model_dir).encode_chat(messages)
+
+
+class TokenTap:
+    """Records every TokenChunk on fleet.tok.> so tests can see the token ids a request produced."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.chunks: dict[str, list[TokenChunk]] = {}
+
+    async def __aenter__(self) -> TokenTap:
+        self.bus = await Bus.connect(self.nats_url, "token-tap")
+
+        async def record(msg) -> None:
+            chunk = msgspec.json.decode(msg.data, type=TokenChunk)
+            self.chunks.setdefault(chunk.request_id, []).append(chunk)
+
+        self.sub = await self.bus.nc.subscribe("fleet.tok.>", cb=record)
+        await self.bus.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.sub.unsubscribe()
+        await self.bus.close()
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return [t for c in sorted(self.chunks[request_id], key=lambda c: c.index) for t in c.token_ids]
+
+
+def test_models_lists_the_ready_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+async def test_greedy_non_streamed_is_token_identical_to_mlx_lm(chat_stack, client, model_dir):
+    prompt = prompt_ids(model_dir, MESSAGES)
+    async with TokenTap(chat_stack.nats_url) as tap:
+        response = await asyncio.to_thread(
+            client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+        )
+        await asyncio.sleep(0.2)
+    expected = mlx_greedy(model_dir, prompt, 12)
+    assert tap.token_ids(response.id) == expected
+    assert response.object == "chat.completion"
+    assert response.choices[0].finish_reason == "length"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == tiny_tokenizer.build_tiny_tokenizer().decode(expected)
+    assert response.usage.prompt_tokens == len(prompt)
+    assert response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == len(prompt) + 12
+
+
+def test_streamed_matches_non_streamed_and_reports_usage(client):
+    args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 10, "temperature": 0}
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+
+
+def test_eight_concurrent_streams_all_complete_correctly(client):
+    prompts = [[{"role": "user", "content": f"Count to {n} please"}] for n in range(8)]
+
+    def one(messages, stream: bool) -> str:
+        if not stream:
+            return (
+                client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+                .choices[0]
+                .message.content
+            )
+        parts = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+
+    alone = [one(m, stream=False) for m in prompts]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda m: one(m, stream=True), prompts))
+    assert together == alone
+
+
+async def worker_active(nats_url: str) -> dict[str, int]:
+    bus = await Bus.connect(nats_url, "metrics-reader")
+    try:
+        sub = await bus.nc.subscribe("fleet.metrics.*")
+        msg = await sub.next_msg(timeout=5)
+        return json.loads(msg.data)["active_requests"]
+    finally:
+        await bus.close()
+
+
+async def test_client_disconnect_cancels_the_request_and_frees_the_slot(chat_stack):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 440, "temperature": 0, "stream": True}
+    async with TokenTap(chat_stack.nats_url) as tap:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{chat_stack.gateway_url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                first = await response.content.readuntil(b"\n\n")
+                request_id = json.loads(first.decode()[6:])["id"]
+            # leaving the block closes the connection mid-stream
+        for _ in range(100):
+            if any(c.finish_reason for c in tap.chunks.get(request_id, [])):
+                break
+            await asyncio.sleep(0.05)
+        last = max(tap.chunks[request_id], key=lambda c: c.index)
+    assert last.finish_reason == "cancelled"
+    assert len(tap.token_ids(request_id)) < 440
+    for _ in range(30):
+        if sum((await worker_active(chat_stack.nats_url)).values()) == 0:
+            break
+        await asyncio.sleep(0.2)
+    assert sum((await worker_active(chat_stack.nats_url)).values()) == 0
+
+
+def test_stop_string_cuts_the_text(client):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[3:6]
+    assert stop and stop in text
+    cut = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_unknown_model_is_404_listing_the_available_ones(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no/such-model", messages=MESSAGES)
+    error = info.value.body
+    assert error["code"] == "model_not_found"
+    assert MODEL in error["message"]
+
+
+HELLO = b'"model": "tiny/llama-chat", "messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b'{"model": "tiny/llama-chat"}', "messages"),
+        (b"{" + HELLO + b', "temperature": -1}', "temperature"),
+        (b"{" + HELLO + b', "max_tokens": 0}', "max_tokens"),
+    ],
+)
+async def test_malformed_requests_are_400_naming_the_field(chat_stack, body, param):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{chat_stack.gateway_url}/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+async def test_model_without_ready_instance_is_503(chat_stack):
+    async with aiohttp.ClientSession() as session:
+        gateway = chat_stack.gateway_url
+        async with session.get(f"{gateway}/state") as response:
+            instance_id = next(iter((await response.json())["instances"]))
+        async with session.delete(f"{gateway}/instances/{instance_id}") as response:
+            assert response.status == 202
+        for _ in range(100):
+            async with session.get(f"{gateway}/state") as response:
+                if not (await response.json())["instances"]:
+                    break
+            await asyncio.sleep(0.1)
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        async with session.post(f"{gateway}/v1/chat/completions", json=body) as response:
+            assert response.status == 503
+            assert "no ready instance" in (await response.json())["error"]["message"]
+        async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
+            assert response.status == 202
+        for _ in range(600):
+            async with session.get(f"{gateway}/v1/models") as response:
+                if (await response.json())["data"]:
+                    break
+            await asyncio.sleep(0.1)
+
+
+async def test_worker_dying_mid_stream_ends_the_stream_with_an_error(chat_stack):
+    worker = next(p for p in chat_stack.processes if p.name == "engine-worker")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{chat_stack.gateway_url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            await response.content.readuntil(b"\n\n")
+            os.killpg(worker.pid, signal.SIGKILL)  # the worker and its engine process, no goodbye
+            killed_at = time.monotonic()
+            frames = []
+            while not frames or frames[-1] != "data: [DONE]":
+                frame = (await asyncio.wait_for(response.content.readuntil(b"\n\n"), 15)).decode().strip()
+                frames.append(frame)
+    assert time.monotonic() - killed_at < 10
+    errors = [json.loads(f[6:]) for f in frames if f.startswith("data: {") and '"error"' in f]
+    assert errors and "stopped responding" in errors[0]["error"]["message"]
