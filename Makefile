@@ -48,7 +48,7 @@ test: install lint
 	$(BIN)/python -m pytest -q
 
 bench: install
-	@echo "no benchmarks yet: they arrive with the first engine (issue 3)"
+	$(BIN)/python bench/first_light.py
 
 docker:
 	docker compose build

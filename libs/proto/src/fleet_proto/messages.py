@@ -29,11 +29,10 @@ class GenerateTask(Frozen, tag_field="kind", tag="generate"):
     block_hashes: tuple[str, ...] = ()
 
 
-class TokenChunk(Frozen):
-    """A step's new tokens for one request; the last chunk has finish_reason set."""
+class GenerationOutput(Frozen):
+    """New tokens of one request; the last output of a request has finish_reason set."""
 
     request_id: str
-    index: int  # chunk sequence number from 0, so the reader can detect a gap
     token_ids: tuple[int, ...] = ()
     finish_reason: str = ""  # "", "stop", "length", "cancelled", "error"
     error: str = ""
@@ -41,6 +40,12 @@ class TokenChunk(Frozen):
     completion_tokens: int = 0
     prompt_time_s: float = 0.0
     decode_time_s: float = 0.0
+
+
+class TokenChunk(GenerationOutput):
+    """An engine's output for one request on the wire, numbered so the reader can detect a gap."""
+
+    index: int = 0  # chunk sequence number from 0
 
 
 class CancelRequest(Frozen):

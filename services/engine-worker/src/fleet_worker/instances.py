@@ -12,6 +12,8 @@ import logging
 import time
 from pathlib import Path
 
+import msgspec
+
 from fleet_bus import Delivery, publish_chunk
 from fleet_proto import (
     GenerateTask,
@@ -34,17 +36,7 @@ LOAD_TIMEOUT_S = 600.0
 
 
 def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
-    return TokenChunk(
-        request_id=output.request_id,
-        index=index,
-        token_ids=output.token_ids,
-        finish_reason=output.finish_reason,
-        error=output.error,
-        prompt_tokens=output.prompt_tokens,
-        completion_tokens=output.completion_tokens,
-        prompt_time_s=output.prompt_time_s,
-        decode_time_s=output.decode_time_s,
-    )
+    return TokenChunk(**msgspec.structs.asdict(output), index=index)
 
 
 class RunningInstance:

@@ -1,9 +1,13 @@
 """The engine interface: token-in, token-out, one schedule -> execute -> update step at a time.
 
 An engine is driven by exactly one thread (MLX streams are per thread): add() and cancel() queue
-work, step() advances every running request by at most one token (or one prefill chunk) and returns
-what changed. Engines are named in a lazy registry so the worker never imports an engine it does
-not run.
+work, step() advances every running request by one token (a newly admitted request is prefilled and
+gets its first token in the step that admits it) and returns what changed.
+
+Contract: add() never raises for a bad request (empty prompt, token id out of range...): the request
+ends with an "error" output at the next step(). Every added request gets exactly one final output
+(finish_reason set). SamplingParams.logprobs is not produced yet (the gateway refuses it).
+Engines are named in a lazy registry so the worker never imports an engine it does not run.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Protocol
 import msgspec
 
 from fleet_proto import SamplingParams
+from fleet_proto.messages import GenerationOutput
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,17 +28,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams = SamplingParams()
 
 
-class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
-    """New tokens of one request after a step; finish_reason set on its last output."""
-
-    request_id: str
-    token_ids: tuple[int, ...] = ()
-    finish_reason: str = ""  # "", "stop", "length", "cancelled", "error"
-    error: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_time_s: float = 0.0
-    decode_time_s: float = 0.0
+# What step() returns per request: the wire TokenChunk without its sequence number.
+EngineOutput = GenerationOutput
 
 
 class Engine(Protocol):
