@@ -316,3 +316,21 @@ async def test_worker_dying_mid_stream_ends_the_stream_with_an_error(chat_stack)
     assert time.monotonic() - killed_at < 10
     errors = [json.loads(f[6:]) for f in frames if f.startswith("data: {") and '"error"' in f]
     assert errors and "stopped responding" in errors[0]["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param"),
+    [
+        ("POST", "/instances", {"model": "not/staged"}, 404, "model"),
+        ("POST", "/instances", {"modle": "typo"}, 400, "modle"),
+        ("DELETE", "/instances/inst-nope", None, 404, "instance_id"),
+        ("POST", "/models", {"model": "m"}, 400, "source"),
+    ],
+)
+async def test_admin_errors_are_openai_shaped(chat_stack, method, path, body, status, param):
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, f"{chat_stack.gateway_url}{path}", json=body) as response:
+            assert response.status == status
+            error = (await response.json())["error"]
+    assert error["param"] == param
+    assert error["message"]

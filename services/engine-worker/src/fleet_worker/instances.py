@@ -27,7 +27,7 @@ from fleet_proto import (
 )
 from fleet_runtime.service import ServiceContext
 from fleet_store import MODELS_BUCKET, ObjectStore, fetch_model, load_manifest
-from fleet_worker.engine_process import EngineLoadError, EngineProcess
+from fleet_worker.engine_process import EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest
 
 log = logging.getLogger("fleet_worker")
@@ -89,7 +89,7 @@ class InstanceManager:
             )
             folder = await self._fetch(instance)
             engine = await EngineProcess.start(instance.engine, folder, {}, LOAD_TIMEOUT_S)
-        except (EngineLoadError, Exception) as exc:  # any failure is reported, never lost
+        except Exception as exc:  # any failure (EngineLoadError, S3, ...) is reported, never lost
             log.exception("loading %s failed", iid)
             await self._publish(
                 InstanceFailed(instance_id=iid, reason=str(exc), origin=ctx.service_id, at=time.time())

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from fleet_bus import Bus, StateFollower
-from fleet_gateway.errors import ApiError
+from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_proto import CreateInstance, DeleteInstance, DownloadModel
 from fleet_store import MODELS_BUCKET, ObjectStore, manifest_key
 
@@ -29,29 +29,19 @@ class CreateInstanceBody(msgspec.Struct, forbid_unknown_fields=True):
     engine: str = ""
 
 
-def decode_body(raw: bytes, body_type: type[msgspec.Struct]):
-    try:
-        return msgspec.json.decode(raw, type=body_type)
-    except msgspec.ValidationError as exc:
-        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
-        raise ApiError(400, f"invalid body: {exc}", param=param) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from None
-
-
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
 def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[web.RouteDef]:
     async def stage_model(request: web.Request) -> web.Response:
-        body = decode_body(await request.read(), StageModelBody)
+        body = decode_json_body(await request.read(), StageModelBody)
         command = DownloadModel(command_id=_new_id("cmd"), model_id=body.model, source=body.source)
         await bus.publish_command(command)
         return web.json_response({"model": body.model, "command_id": command.command_id}, status=202)
 
     async def create_instance(request: web.Request) -> web.Response:
-        body = decode_body(await request.read(), CreateInstanceBody)
+        body = decode_json_body(await request.read(), CreateInstanceBody)
         staged = await asyncio.to_thread(
             store.exists, MODELS_BUCKET, manifest_key(body.model, DEFAULT_REVISION)
         )

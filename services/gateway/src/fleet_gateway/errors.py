@@ -7,8 +7,9 @@ into that body, so every API answers errors in the shape OpenAI clients parse.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -112,3 +113,49 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return api_error(500, "internal server error")
+
+
+T = TypeVar("T")
+_AT_PATH = re.compile(r"^(?P<message>.*?) - at `(?P<path>\$[^`]*)`$", re.DOTALL)
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]+)`$")
+
+
+def _param_from_path(path: str) -> str | None:
+    """msgspec's `$.messages[0].role` -> OpenAI's `messages[0].role`; `$` -> None."""
+    rest = path[1:]
+    return rest.removeprefix(".") or None
+
+
+def _validation_error(exc: msgspec.ValidationError) -> ApiError:
+    text = str(exc)
+    path = "$"
+    matched = _AT_PATH.match(text)
+    if matched:
+        text, path = matched["message"], matched["path"]
+    param = _param_from_path(path)
+    missing = _MISSING.match(text)
+    if missing:
+        field = missing["field"]
+        param = f"{param}.{field}" if param else field
+        return ApiError(400, f"Missing required parameter: '{param}'.", param=param)
+    unknown = _UNKNOWN.match(text)
+    if unknown:
+        field = unknown["field"]
+        param = f"{param}.{field}" if param else field
+        return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if param is None:
+        return ApiError(400, f"Invalid request body: {text}.")
+    return ApiError(400, f"Invalid type or value for '{param}': {text}.", param=param)
+
+
+def decode_json_body(body: bytes, body_type: type[T]) -> T:
+    """Decode a JSON request body into `body_type`; ApiError(400) naming the field when it is wrong."""
+    if not body.strip():
+        raise ApiError(400, "The request body is empty; expected a JSON object.")
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"We could not parse the JSON body of your request: {exc}.") from None

@@ -8,13 +8,12 @@ Fleet extensions accepted in the body: top_k, min_p, repetition_penalty (as in v
 from __future__ import annotations
 
 import math
-import re
 import uuid
 from typing import Any
 
 import msgspec
 
-from fleet_gateway.errors import ApiError
+from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_proto.messages import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
@@ -65,43 +64,10 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
 
 # ---------------------------------------------------------------- parsing and validation
 
-_AT_PATH = re.compile(r"^(?P<message>.*?) - at `(?P<path>\$[^`]*)`$", re.DOTALL)
-_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
-
-
-def _param_from_path(path: str) -> str | None:
-    """msgspec's `$.messages[0].role` -> OpenAI's `messages[0].role`; `$` -> None."""
-    rest = path[1:]
-    return rest.removeprefix(".") or None
-
-
-def _validation_error(exc: msgspec.ValidationError) -> ApiError:
-    text = str(exc)
-    path = "$"
-    matched = _AT_PATH.match(text)
-    if matched:
-        text, path = matched["message"], matched["path"]
-    param = _param_from_path(path)
-    missing = _MISSING.match(text)
-    if missing:
-        field = missing["field"]
-        param = f"{param}.{field}" if param else field
-        return ApiError(400, f"Missing required parameter: '{param}'.", param=param)
-    if param is None:
-        return ApiError(400, f"Invalid request body: {text}.")
-    return ApiError(400, f"Invalid type or value for '{param}': {text}.", param=param)
-
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Decode and validate a request body; raises ApiError(400, ..., param=<field>) when it is wrong."""
-    if not body.strip():
-        raise ApiError(400, "The request body is empty; expected a JSON object.")
-    try:
-        request = msgspec.json.decode(body, type=ChatCompletionRequest)
-    except msgspec.ValidationError as exc:
-        raise _validation_error(exc) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"We could not parse the JSON body of your request: {exc}.") from None
+    request = decode_json_body(body, ChatCompletionRequest)
     validate_chat_request(request)
     return request
 
