@@ -34,8 +34,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"Serving {args.model} (first run converts and stages it: about a minute)")
         try:
             stage_and_serve(manifest.gateway_url, args.model, args.model_source, args.timeout * 5, print)
-        except BootstrapError as exc:
-            print(f"fleet up: {exc}", file=sys.stderr)
+        except (BootstrapError, KeyboardInterrupt) as exc:
+            print(f"fleet up: {exc or 'interrupted'}; stopping the stack", file=sys.stderr)
             stack.down(state_dir)
             return 1
         print(
