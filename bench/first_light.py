@@ -106,19 +106,13 @@ async def stack_run(
 
 
 def make_tiny_chat_model(folder: Path) -> Path:
-    """The tests' tiny random llama with their ChatML tokenizer (same files as tests/test_chat_e2e.py)."""
+    """The tests' tiny random llama with their ChatML tokenizer (tests/support.py)."""
     import importlib.util
 
-    helpers = (
-        ("services/engine-worker/tests/tiny_model.py", "make_tiny_llama"),
-        ("services/gateway/tests/tiny_tokenizer.py", "make_tiny_tokenizer_folder"),
-    )
-    for helper, call in helpers:
-        spec = importlib.util.spec_from_file_location(Path(helper).stem, REPO / helper)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        getattr(module, call)(folder)
-    return folder
+    spec = importlib.util.spec_from_file_location("fleet_test_support", REPO / "tests" / "support.py")
+    support = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(support)
+    return support.make_chat_model(folder)
 
 
 def p50(values: list[float]) -> float:

@@ -173,3 +173,25 @@ def test_replay_from_a_midpoint_state_equals_a_full_replay(sequence, cut):
 @given(events)
 def test_every_event_round_trips_through_json(event):
     assert decode_event(encode(event)) == event
+
+
+def test_model_staged_records_the_card_and_status_changes_move_instances():
+    from fleet_proto import InstanceStatusChanged, ModelCard, ModelStaged
+
+    card = ModelCard(
+        model_id="m", architecture="llama", num_layers=2, hidden_size=64, num_kv_heads=2, head_dim=16,
+        dtype="bfloat16", storage_bytes=10,
+    )  # fmt: skip
+    state = replay(
+        enumerate(
+            [
+                ModelStaged(card=card),
+                InstancePlaced(instance=INSTANCE),
+                InstanceStatusChanged(instance_id="i1", status="warming", progress=0.9),
+                InstanceStatusChanged(instance_id="i1", status="from-the-future"),
+            ],
+            start=1,
+        )
+    )
+    assert state.models == {"m": card}
+    assert (state.instances["i1"].status, state.instances["i1"].progress) == ("warming", 0.9)

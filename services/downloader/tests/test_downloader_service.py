@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -12,13 +13,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
+
 from fleet_bus import Bus, ensure_streams
 from fleet_downloader.main import CONSUMER, Downloader, ProgressPublisher
-from fleet_proto import DownloadModel, DownloadPhase, DownloadProgressed
-from fleet_proto.subjects import CMD_STREAM, event_subject
+from fleet_proto import DownloadModel, DownloadPhase, DownloadProgressed, ModelCard, ModelStaged
+from fleet_proto.subjects import CMD_STREAM
 from fleet_store import MODELS_BUCKET, fetch_model, load_manifest
 
 FINAL = (DownloadPhase.DONE, DownloadPhase.FAILED)
+DownloaderEvent = DownloadProgressed | ModelStaged
 
 
 def unique_model_id() -> str:
@@ -32,14 +36,20 @@ async def connected(url: str) -> Bus:
 
 
 @asynccontextmanager
-async def progress_events(bus: Bus) -> AsyncIterator[asyncio.Queue[DownloadProgressed]]:
-    """Every DownloadProgressed published while the block runs, in order."""
-    queue: asyncio.Queue[DownloadProgressed] = asyncio.Queue()
-    async with bus.subscription(event_subject(DownloadProgressed), DownloadProgressed) as messages:
+async def progress_events(bus: Bus) -> AsyncIterator[asyncio.Queue[DownloaderEvent]]:
+    """Every DownloadProgressed and ModelStaged published while the block runs, in publish order.
+
+    One subscription on all events keeps the order across the two subjects; other kinds are skipped.
+    """
+    queue: asyncio.Queue[DownloaderEvent] = asyncio.Queue()
+    async with bus.subscription("fleet.evt.>", msgspec.Raw) as messages:
 
         async def pump() -> None:
-            async for event in messages:
-                queue.put_nowait(event)
+            async for raw in messages:
+                try:
+                    queue.put_nowait(msgspec.json.decode(raw, type=DownloaderEvent))
+                except msgspec.ValidationError:
+                    continue
 
         task = asyncio.create_task(pump())
         try:
@@ -48,14 +58,57 @@ async def progress_events(bus: Bus) -> AsyncIterator[asyncio.Queue[DownloadProgr
             task.cancel()
 
 
-async def until_final(queue: asyncio.Queue[DownloadProgressed], model_id: str) -> list[DownloadProgressed]:
-    seen: list[DownloadProgressed] = []
+def event_model_id(event: DownloaderEvent) -> str:
+    return event.card.model_id if isinstance(event, ModelStaged) else event.model_id
+
+
+async def until_final_events(queue: asyncio.Queue[DownloaderEvent], model_id: str) -> list[DownloaderEvent]:
+    """The model's events (progress and ModelStaged) up to and including its final progress event."""
+    seen: list[DownloaderEvent] = []
     async with asyncio.timeout(60):
-        while not seen or seen[-1].phase not in FINAL:
+        while not seen or not isinstance(seen[-1], DownloadProgressed) or seen[-1].phase not in FINAL:
             event = await queue.get()
-            if event.model_id == model_id:
+            if event_model_id(event) == model_id:
                 seen.append(event)
     return seen
+
+
+async def until_final(queue: asyncio.Queue[DownloaderEvent], model_id: str) -> list[DownloadProgressed]:
+    """The model's progress events up to its final one; fails if a ModelStaged came among them."""
+    seen = await until_final_events(queue, model_id)
+    assert not any(isinstance(event, ModelStaged) for event in seen), seen
+    return [event for event in seen if isinstance(event, DownloadProgressed)]
+
+
+def staged_then_done(seen: list[DownloaderEvent]) -> tuple[ModelCard, list[DownloadProgressed]]:
+    """Exactly one ModelStaged, right before the final DONE; its card and the progress events."""
+    staged = [index for index, event in enumerate(seen) if isinstance(event, ModelStaged)]
+    assert staged == [len(seen) - 2], [type(event).__name__ for event in seen]
+    final = seen[-1]
+    assert isinstance(final, DownloadProgressed) and final.phase == DownloadPhase.DONE, final
+    card_event = seen[-2]
+    assert isinstance(card_event, ModelStaged)
+    return card_event.card, [event for event in seen if isinstance(event, DownloadProgressed)]
+
+
+def tiny_card(model_id: str, storage_bytes: int) -> ModelCard:
+    """The card of conftest's tiny folder (TINY_CONFIG) staged as model_id."""
+    return ModelCard(
+        model_id=model_id,
+        architecture="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="bfloat16",
+        storage_bytes=storage_bytes,
+        quantization="",
+        publisher="test-org",
+        base_model=model_id.split("/")[1],
+        has_tokenizer=False,  # no tokenizer.json
+        has_chat_template=False,  # its tokenizer_config.json has none
+        supported_engines=("mlx", "vllm"),
+    )
 
 
 async def command_acked(bus: Bus) -> None:
@@ -107,7 +160,7 @@ async def test_service_process_stages_a_folder_and_reports_done(
             await bus.publish_command(
                 DownloadModel(command_id="cmd-1", model_id=model_id, source=f"file://{tiny_folder}")
             )
-            seen = await until_final(events, model_id)
+            seen_events = await until_final_events(events, model_id)
         await command_acked(bus)
     finally:
         await bus.close()
@@ -120,12 +173,17 @@ async def test_service_process_stages_a_folder_and_reports_done(
 
     log_text = log_path.read_text()
     assert returncode == 0, log_text
-    final = seen[-1]
-    assert final.phase == DownloadPhase.DONE, final.reason or log_text
+    final = seen_events[-1]
+    assert isinstance(final, DownloadProgressed) and final.phase == DownloadPhase.DONE, (
+        getattr(final, "reason", "") or log_text
+    )
+    card, seen = staged_then_done(seen_events)
     assert {e.phase for e in seen[:-1]} <= {DownloadPhase.UPLOADING}
     manifest = load_manifest(store, MODELS_BUCKET, model_id, "main")
     assert final.done_bytes == final.total_bytes == manifest.total_size
-    assert all(e.origin.startswith("downloader-") for e in seen)
+    assert all(e.origin.startswith("downloader-") for e in seen_events)
+    assert seen_events[-2].origin == final.origin
+    assert card == tiny_card(model_id, (tiny_folder / "model.safetensors").stat().st_size)
     fetched = fetch_model(store, MODELS_BUCKET, manifest, tmp_path / "fetched")
     assert len(fetched.downloaded) == 3
     for file in manifest.files:
@@ -173,17 +231,60 @@ async def test_an_already_staged_model_is_done_without_uploading_again(
     try:
         async with downloader_task(bus, store, tmp_path / "work"), progress_events(bus) as events:
             await bus.publish_command(command)
-            first = await until_final(events, model_id)
+            first_events = await until_final_events(events, model_id)
             await bus.publish_command(command)
-            second = await until_final(events, model_id)
+            second_events = await until_final_events(events, model_id)
             await command_acked(bus)
     finally:
         await bus.close()
+    first_card, first = staged_then_done(first_events)
     assert first[-1].phase == DownloadPhase.DONE
     assert DownloadPhase.UPLOADING in {e.phase for e in first}
+    # The second time the card is derived from the stored files (the tokenizer config is fetched).
+    second_card, second = staged_then_done(second_events)
     assert [(e.phase, e.done_bytes, e.total_bytes) for e in second] == [
         (DownloadPhase.DONE, first[-1].total_bytes, first[-1].total_bytes)
     ]
+    assert (
+        first_card == second_card == tiny_card(model_id, (tiny_folder / "model.safetensors").stat().st_size)
+    )
+
+
+async def test_a_chat_template_in_the_tokenizer_config_is_on_the_card(
+    fresh_nats, store, tiny_folder, tmp_path
+):
+    (tiny_folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    (tiny_folder / "tokenizer.json").write_text("{}")
+    bus = await connected(fresh_nats.url)
+    model_id = unique_model_id()
+    command = DownloadModel(command_id="template", model_id=model_id, source=f"file://{tiny_folder}")
+    try:
+        async with downloader_task(bus, store, tmp_path / "work"), progress_events(bus) as events:
+            await bus.publish_command(command)
+            card, _ = staged_then_done(await until_final_events(events, model_id))
+            await command_acked(bus)
+    finally:
+        await bus.close()
+    assert card.has_chat_template and card.has_tokenizer
+
+
+async def test_a_config_without_a_layer_count_fails_after_staging(fresh_nats, store, tiny_folder, tmp_path):
+    config = json.loads((tiny_folder / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (tiny_folder / "config.json").write_text(json.dumps(config))
+    bus = await connected(fresh_nats.url)
+    model_id = unique_model_id()
+    command = DownloadModel(command_id="no-layers", model_id=model_id, source=f"file://{tiny_folder}")
+    try:
+        async with downloader_task(bus, store, tmp_path / "work"), progress_events(bus) as events:
+            await bus.publish_command(command)
+            seen = await until_final(events, model_id)  # also asserts that no ModelStaged came
+            await command_acked(bus)
+    finally:
+        await bus.close()
+    assert seen[-1].phase == DownloadPhase.FAILED
+    assert "CardError" in seen[-1].reason and "no layer count" in seen[-1].reason
+    assert load_manifest(store, MODELS_BUCKET, model_id, "main").config == config  # the files stay staged
 
 
 async def test_progress_is_rate_limited_and_ordered_before_the_final_event(fresh_nats):

@@ -15,3 +15,13 @@ def test_node_info_reads_this_machine(tmp_path: Path):
     assert 0 < info.memory_available_bytes <= info.memory_total_bytes
     assert info.disk_free_bytes > 0
     assert node_metrics("n", tmp_path).memory_used_bytes > 0
+
+
+def test_overrides_replace_what_is_probed(tmp_path: Path):
+    from fleet_worker.probe import Overrides, parse_engines
+
+    info = node_info("n", tmp_path, Overrides(memory_bytes=8 * 2**30, engines="vllm=0.32.0,mlx", kind="cuda"))
+    assert (info.memory_total_bytes, info.memory_available_bytes) == (8 * 2**30, 8 * 2**30)
+    assert [(e.name, e.version) for e in info.engines] == [("vllm", "0.32.0"), ("mlx", "unknown")]
+    assert info.kind == "cuda"
+    assert parse_engines("none") == ()

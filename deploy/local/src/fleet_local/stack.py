@@ -18,7 +18,7 @@ import psutil
 
 from fleet_local.processes import StartupError, free_port, pid_alive, process_started_at, spawn, wait_http
 from fleet_local.servers import ServerHandle, start_nats, start_redis, start_s3
-from fleet_runtime.settings import Settings, settings_env
+from fleet_runtime.settings import Settings, load_settings, settings_env
 
 MANIFEST = "stack.json"
 # (process name, python module); started together, then waited on together.
@@ -73,14 +73,16 @@ def _port_free(port: int) -> bool:
 def _service_settings(
     state_dir: Path, nats: ServerHandle, s3: ServerHandle, redis: ServerHandle, port: int
 ) -> Settings:
-    return Settings(
+    """The user's FLEET_* settings (node overrides, log level...) with the embedded servers' addresses."""
+    return msgspec.structs.replace(
+        load_settings(),
         nats_url=nats.url,
         s3_endpoint=s3.url,
         redis_url=redis.url,
+        gateway_host="127.0.0.1",
         gateway_port=port,
         metrics_port=free_port(),
         state_dir=str(state_dir),
-        log_format="json",
     )
 
 

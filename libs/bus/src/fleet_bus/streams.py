@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import KV_STREAM_TEMPLATE
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from fleet_proto.subjects import KV_BUCKETS, LEADER_BUCKET, STREAMS, Retention, StreamSpec
 
 _RETENTION = {Retention.WORK_QUEUE: RetentionPolicy.WORK_QUEUE, Retention.LIMITS: RetentionPolicy.LIMITS}
-# The leader lease expires unless renewed, so a dead scheduler's lease frees itself.
-LEADER_TTL_S = 10.0
+# The leader lease expires unless renewed, so a dead scheduler's lease frees itself: a follower takes
+# over about this long (plus its retry interval) after the leader died without releasing.
+LEADER_TTL_S = 3.0
 
 
 def stream_config(spec: StreamSpec) -> StreamConfig:
@@ -41,3 +43,19 @@ async def ensure_streams(js: JetStreamContext) -> None:
         except BucketNotFoundError:
             ttl = LEADER_TTL_S if bucket == LEADER_BUCKET else None
             await js.create_key_value(bucket=bucket, history=1, ttl=ttl)
+        else:
+            if bucket == LEADER_BUCKET:
+                await _ensure_bucket_ttl(js, bucket, LEADER_TTL_S)
+
+
+async def _ensure_bucket_ttl(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
+    """Bring an existing bucket's TTL (its stream's max_age) to ttl_s, e.g. one made by an older release."""
+    stream = KV_STREAM_TEMPLATE.format(bucket=bucket)
+    config = (await js.stream_info(stream)).config
+    if config.max_age is not None and abs(config.max_age - ttl_s) < 1e-3:
+        return
+    config.max_age = ttl_s
+    # JetStream refuses a duplicate window longer than max_age (create_key_value caps it the same way).
+    if not config.duplicate_window or config.duplicate_window > ttl_s:
+        config.duplicate_window = ttl_s
+    await js.update_stream(config)

@@ -21,6 +21,8 @@ from fleet_proto.events import (
     InstanceLoading,
     InstancePlaced,
     InstanceReady,
+    InstanceStatusChanged,
+    ModelStaged,
     NodeJoined,
     NodeLeft,
     ServiceStarted,
@@ -92,6 +94,10 @@ def _apply_download_progressed(state: State, event: DownloadProgressed) -> State
     return msgspec.structs.replace(state, downloads=_with(state.downloads, event.model_id, status))
 
 
+def _apply_model_staged(state: State, event: ModelStaged) -> State:
+    return msgspec.structs.replace(state, models=_with(state.models, event.card.model_id, event.card))
+
+
 def _dispatch(state: State, event: Event) -> State:
     match event:
         case ServiceStarted():
@@ -118,6 +124,14 @@ def _dispatch(state: State, event: Event) -> State:
             return _apply_instance_deleted(state, event)
         case DownloadProgressed():
             return _apply_download_progressed(state, event)
+        case ModelStaged():
+            return _apply_model_staged(state, event)
+        case InstanceStatusChanged():
+            try:
+                status = InstanceStatus(event.status)
+            except ValueError:
+                return state  # a status this version does not know: leave the instance as it is
+            return _update_instance(state, event.instance_id, status=status, progress=event.progress)
         case _:
             raise UnknownEventError(f"apply() does not know event {type(event).__name__!r}")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from fleet_proto.common import Shard
+
 
 class CommandBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     command_id: str
@@ -18,6 +20,7 @@ class CreateInstance(CommandBase, tag="create_instance"):
     model_id: str
     instance_id: str
     engine: str = ""  # empty: the scheduler chooses
+    shards: tuple[Shard, ...] = ()  # an explicit placement; empty: the scheduler chooses
 
 
 class DeleteInstance(CommandBase, tag="delete_instance"):

@@ -16,6 +16,20 @@ class EngineInfo(Frozen):
     version: str
 
 
+class GpuInfo(Frozen):
+    name: str
+    vendor: str  # "nvidia" | "apple" | ...
+    memory_bytes: int
+
+
+class NodeKind(StrEnum):
+    """What a node's fastest compute is, for placement preferences (seed rules)."""
+
+    APPLE = "apple"  # Apple Silicon: MLX on Metal
+    CUDA = "cuda"  # NVIDIA GPU(s)
+    CPU = "cpu"
+
+
 class NodeInfo(Frozen):
     """Static facts of one engine-worker's machine, sent when it joins."""
 
@@ -29,6 +43,10 @@ class NodeInfo(Frozen):
     disk_total_bytes: int
     disk_free_bytes: int
     engines: tuple[EngineInfo, ...] = ()
+    kind: NodeKind = NodeKind.CPU
+    chip: str = ""  # e.g. "Apple M3 Max", "NVIDIA GB10 (DGX Spark)", the CPU model name
+    gpus: tuple[GpuInfo, ...] = ()
+    cached_models: tuple[str, ...] = ()  # models whose files are already on this node
 
 
 class ServiceKind(StrEnum):
@@ -51,9 +69,20 @@ class ServiceInfo(Frozen):
 
 class InstanceStatus(StrEnum):
     PLACED = "placed"
+    DOWNLOADING = "downloading"
     LOADING = "loading"
+    WARMING = "warming"
     READY = "ready"
+    DRAINING = "draining"
     FAILED = "failed"
+
+
+class Shard(Frozen):
+    """Layers [start_layer, end_layer) of a model on one node; its rank is its position in Instance.shards."""
+
+    node_id: str
+    start_layer: int
+    end_layer: int
 
 
 class Instance(Frozen):
@@ -64,6 +93,9 @@ class Instance(Frozen):
     status: InstanceStatus = InstanceStatus.PLACED
     progress: float = 0.0
     reason: str = ""
+    # Pipeline placements list every rank; a single-node instance has one shard (or none, = all layers).
+    shards: tuple[Shard, ...] = ()
+    role: str = "both"  # "prefill" | "decode" | "both" (disaggregation, issue 9)
 
 
 class DownloadPhase(StrEnum):
@@ -80,3 +112,25 @@ class DownloadStatus(Frozen):
     done_bytes: int = 0
     total_bytes: int = 0
     reason: str = ""
+
+
+class ModelCard(Frozen):
+    """What placement needs to know about a model, derived from its config.json and files."""
+
+    model_id: str
+    architecture: str  # config.json model_type, e.g. "llama"
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "bfloat16", "float16", "float32"
+    storage_bytes: int
+    quantization: str = ""  # "", "mlx-4bit", "mlx-8bit", "gguf-q4_1", "fp8", ...
+    publisher: str = ""  # the org part of the model id, e.g. "mlx-community"
+    base_model: str = ""  # the model it derives from (same weights family), for routing
+    has_tokenizer: bool = True
+    has_chat_template: bool = True
+    supported_engines: tuple[str, ...] = ("mlx",)
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from fleet_proto.common import DownloadPhase, Instance, NodeInfo, ServiceInfo
+from fleet_proto.common import DownloadPhase, Instance, ModelCard, NodeInfo, ServiceInfo
 
 
 class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -79,6 +79,20 @@ class DownloadProgressed(EventBase, tag="download_progressed"):
     reason: str = ""
 
 
+class ModelStaged(EventBase, tag="model_staged"):
+    """A model is completely staged in object storage; its card says what placement needs."""
+
+    card: ModelCard
+
+
+class InstanceStatusChanged(EventBase, tag="instance_status_changed"):
+    """An instance moved to a lifecycle state without a dedicated event (downloading, warming, draining)."""
+
+    instance_id: str
+    status: str
+    progress: float = 0.0
+
+
 Event = (
     ServiceStarted
     | ServiceStopped
@@ -90,6 +104,8 @@ Event = (
     | InstanceFailed
     | InstanceDeleted
     | DownloadProgressed
+    | ModelStaged
+    | InstanceStatusChanged
 )
 EVENT_TYPES: tuple[type[EventBase], ...] = (
     ServiceStarted,
@@ -102,4 +118,6 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     InstanceFailed,
     InstanceDeleted,
     DownloadProgressed,
+    ModelStaged,
+    InstanceStatusChanged,
 )

@@ -5,7 +5,7 @@ Engines are token-in, token-out: tasks carry token ids and sampling params, neve
 
 from __future__ import annotations
 
-from fleet_proto.common import Frozen
+from fleet_proto.common import Frozen, Shard
 
 
 class SamplingParams(Frozen):
@@ -64,6 +64,9 @@ class NodeMetrics(Frozen):
     disk_free_bytes: int
     # instance_id -> requests running in it now: the scheduler's load signal
     active_requests: dict[str, int] = {}
+    # instance_id -> tokens in its running requests (prompt + generated) and in its queue
+    running_tokens: dict[str, int] = {}
+    queued_tokens: dict[str, int] = {}
 
 
 class RouteRequest(Frozen):
@@ -81,4 +84,40 @@ class RouteReply(Frozen):
     instance_id: str = ""
     worker_id: str = ""
     reason: str = ""
+    error: str = ""
+    # A separate prefill instance of the same base model, when one exists (disaggregation, issue 9).
+    prefill_instance_id: str = ""
+    prefill_worker_id: str = ""
+
+
+class RouteDecided(Frozen):
+    """Every routing decision with its reason, on core NATS `fleet.route.decided` (watch with nats sub)."""
+
+    request_id: str
+    model_id: str
+    at: float
+    reply: RouteReply
+    decided_by: str = ""
+
+
+class PlacementOption(Frozen):
+    """One way to place a model: engine and shards, whether it fits, and what it costs each node."""
+
+    engine: str
+    shards: tuple[Shard, ...]
+    feasible: bool
+    reason: str = ""  # why it is infeasible, or why it is preferred
+    memory_needed: dict[str, int] = {}  # node_id -> bytes the model takes there
+    free_after: dict[str, int] = {}  # node_id -> bytes left free after placing it
+    score: float = 0.0  # higher is better among feasible options
+
+
+class PlacementsRequest(Frozen):
+    """Gateway -> scheduler on `fleet.placements`: every option for placing a model."""
+
+    model_id: str
+
+
+class PlacementsReply(Frozen):
+    options: tuple[PlacementOption, ...] = ()
     error: str = ""

@@ -2,30 +2,63 @@
 
 The scheduler decides with it; the gateway uses it too when the scheduler does not answer.
 
-cost(instance) = active requests it reported + requests routed to it since that report; the lowest
-cost wins, ties broken by instance id so the choice is deterministic.
+Candidates are the ready decode-capable instances of the requested model, else of another model with
+the same base model (e.g. an MLX 4-bit conversion of the same weights). MLX decode is preferred over
+vLLM decode when both exist (seed rule: MLX nodes are the bandwidth-strong decoders); among those
+the lowest load wins: load = tokens running + queued on the instance, as its worker last reported
+plus what was routed to it since. Ties go to the lowest instance id, so the choice is deterministic.
+A ready `prefill` instance of the same base model is returned too, for disaggregation (issue 9).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fleet_proto import InstanceStatus, RouteReply, RouteRequest, State
+from fleet_proto.common import Instance, InstanceStatus
+from fleet_proto.messages import RouteReply, RouteRequest
+from fleet_proto.state import State
+
+PREFERRED_DECODE_ENGINE = "mlx"
+DECODE_ROLES = ("both", "decode")
 
 
-def ready_instances(state: State, model_id: str) -> list[str]:
-    return sorted(
-        i.instance_id
-        for i in state.instances.values()
-        if i.model_id == model_id and i.status == InstanceStatus.READY
-    )
+def base_model(state: State, model_id: str) -> str:
+    card = state.models.get(model_id)
+    return card.base_model if card is not None and card.base_model else model_id
+
+
+def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE_ROLES) -> list[Instance]:
+    """Ready instances of the model, or failing that of another model with the same base model."""
+    ready = [i for i in state.instances.values() if i.status == InstanceStatus.READY and i.role in roles]
+    exact = [i for i in ready if i.model_id == model_id]
+    if exact:
+        return exact
+    base = base_model(state, model_id)
+    return [i for i in ready if base_model(state, i.model_id) == base]
+
+
+def _least_loaded(instances: list[Instance], load: Mapping[str, int]) -> Instance:
+    return min(instances, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
 
 
 def route(state: State, request: RouteRequest, load: Mapping[str, int]) -> RouteReply:
     candidates = ready_instances(state, request.model_id)
     if not candidates:
         return RouteReply(error=f"no ready instance of {request.model_id}")
-    instance_id = min(candidates, key=lambda i: (load.get(i, 0), i))
-    instance = state.instances[instance_id]
-    reason = f"least loaded of {len(candidates)} ready ({load.get(instance_id, 0)} active)"
-    return RouteReply(instance_id=instance_id, worker_id=instance.node_id, reason=reason)
+    preferred = [i for i in candidates if i.engine == PREFERRED_DECODE_ENGINE] or candidates
+    chosen = _least_loaded(preferred, load)
+    tokens = load.get(chosen.instance_id, 0)
+    reason = f"least loaded of {len(preferred)} ready {chosen.engine} ({tokens} tokens)"
+    if chosen.model_id != request.model_id:
+        reason += f", same base model as {request.model_id}"
+    prefill = ready_instances(state, request.model_id, roles=("prefill",))
+    if not prefill:
+        return RouteReply(instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=reason)
+    prefiller = _least_loaded(prefill, load)
+    return RouteReply(
+        instance_id=chosen.instance_id,
+        worker_id=chosen.node_id,
+        reason=reason + f"; prefill on {prefiller.instance_id}",
+        prefill_instance_id=prefiller.instance_id,
+        prefill_worker_id=prefiller.node_id,
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from fleet_proto.common import DownloadStatus, Instance, NodeInfo, ServiceInfo
+from fleet_proto.common import DownloadStatus, Instance, ModelCard, NodeInfo, ServiceInfo
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -13,3 +13,4 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, NodeInfo] = {}
     instances: dict[str, Instance] = {}
     downloads: dict[str, DownloadStatus] = {}
+    models: dict[str, ModelCard] = {}  # staged models by id

@@ -16,6 +16,9 @@ from fleet_proto.messages import (
     CancelRequest,
     GenerateTask,
     NodeMetrics,
+    PlacementsReply,
+    PlacementsRequest,
+    RouteDecided,
     RouteReply,
     RouteRequest,
     TokenChunk,
@@ -100,6 +103,8 @@ def command_subject(kind: type) -> str:
 
 
 ROUTE_SUBJECT = "fleet.route"
+ROUTE_DECIDED_SUBJECT = "fleet.route.decided"
+PLACEMENTS_SUBJECT = "fleet.placements"
 
 
 def task_subject(worker_id: str) -> str:
@@ -164,6 +169,19 @@ CHANNELS: tuple[Channel, ...] = (
         reply=RouteReply,
         retention=Retention.CORE,
         description="Routing decision, gateway -> scheduler (request/reply).",
+    ),
+    Channel(
+        subject=ROUTE_DECIDED_SUBJECT,
+        messages=(RouteDecided,),
+        retention=Retention.CORE,
+        description="Every routing decision with its reason (scheduler -> anyone watching).",
+    ),
+    Channel(
+        subject=PLACEMENTS_SUBJECT,
+        messages=(PlacementsRequest,),
+        reply=PlacementsReply,
+        retention=Retention.CORE,
+        description="Placement previews for a model, gateway -> scheduler (request/reply).",
     ),
     Channel(
         subject="fleet.metrics.{node_id}",

@@ -36,6 +36,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     health_port: int = 0
     metrics_port: int = 9100
     node_id: str = ""
+    # What the engine-worker reports instead of probing (tests, or to reserve memory for other work):
+    # memory in bytes (0: probe), engines "mlx=0.32.2,vllm" ("": probe, "none": no engine), kind.
+    node_memory_bytes: int = 0
+    node_engines: str = ""
+    node_kind: str = ""
+    # The scheduler times out a node whose metrics have been missing this long.
+    node_timeout_s: float = 5.0
     state_dir: str = ".fleet"
     log_level: str = "INFO"
     log_format: str = "json"  # json | text

@@ -1,6 +1,13 @@
 """Fleet object storage: buckets, verified put/get (sha256 in object metadata), model manifests."""
 
 from fleet_store.buckets import ALL_BUCKETS, KV_BUCKET, MODELS_BUCKET, ensure_buckets
+from fleet_store.cards import (
+    CARD_TEXT_FILES,
+    CardError,
+    base_model_name,
+    model_card,
+    publisher_of,
+)
 from fleet_store.client import SHA256_METADATA, ObjectInfo, ObjectStore, S3Settings
 from fleet_store.errors import (
     IntegrityError,
@@ -25,9 +32,11 @@ from fleet_store.manifest import (
 
 __all__ = [
     "ALL_BUCKETS",
+    "CARD_TEXT_FILES",
     "KV_BUCKET",
     "MODELS_BUCKET",
     "SHA256_METADATA",
+    "CardError",
     "FetchResult",
     "IntegrityError",
     "ManifestFile",
@@ -40,13 +49,16 @@ __all__ = [
     "StoreAuthError",
     "StoreError",
     "StoreUnavailable",
+    "base_model_name",
     "build_manifest",
     "ensure_buckets",
     "fetch_model",
     "file_key",
     "load_manifest",
     "manifest_key",
+    "model_card",
     "model_prefix",
+    "publisher_of",
     "sha256_file",
     "stage_folder",
 ]

@@ -1,8 +1,10 @@
 """Downloader service: owns the object-storage buckets and stages models into them.
 
 It consumes DownloadModel commands and publishes DownloadProgressed events (converting, uploading,
-then done or failed). A command is acked only after its final event is published; a failure is
-reported as phase FAILED and acked, since a bad source would only fail again on redelivery.
+then done or failed). Before "done" it publishes ModelStaged with the model's card, so whoever sees
+"done" finds the card in State. A command is acked only after its final event is published; a failure
+(including a staged model whose config.json yields no card) is reported as phase FAILED and acked,
+since a bad source would only fail again on redelivery.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from pathlib import Path
 from fleet_bus import Bus, Delivery, consume_commands
 from fleet_downloader.progress import MIN_INTERVAL_S, Throttle
 from fleet_downloader.sources import SourceError
-from fleet_downloader.staging import stage_model
-from fleet_proto import Command, DownloadModel, DownloadPhase, DownloadProgressed, ServiceKind
+from fleet_downloader.staging import stage_model_with_card
+from fleet_proto import (
+    Command,
+    DownloadModel,
+    DownloadPhase,
+    DownloadProgressed,
+    ModelCard,
+    ModelStaged,
+    ServiceKind,
+)
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore, ensure_buckets
 
@@ -78,10 +88,17 @@ class ProgressPublisher:
             except Exception as exc:  # progress is advisory; the final event is what must get out
                 log.warning("could not publish progress of %s: %s", self.model_id, exc)
 
-    async def finish(self, phase: DownloadPhase, done: int, total: int, reason: str = "") -> None:
-        """Publish the final event after every queued one; raises if it cannot be published."""
+    async def finish(
+        self, phase: DownloadPhase, done: int, total: int, reason: str = "", card: ModelCard | None = None
+    ) -> None:
+        """Publish the final event after every queued one; raises if it cannot be published.
+
+        With a card, ModelStaged(card) goes out just before the final event (and must get out too).
+        """
         self._queue.put_nowait(None)
         await self._task
+        if card is not None:
+            await self.bus.publish_event(ModelStaged(card=card, origin=self.origin, at=time.time()))
         await self.bus.publish_event(self._event(phase, done, total, reason))
 
     async def close(self) -> None:
@@ -112,8 +129,8 @@ class Downloader:
         )
         publisher = ProgressPublisher(self.bus, command.model_id, self.origin)
         try:
-            manifest = await asyncio.to_thread(
-                stage_model,
+            manifest, card = await asyncio.to_thread(
+                stage_model_with_card,
                 self.store,
                 command.model_id,
                 command.source,
@@ -128,7 +145,7 @@ class Downloader:
             await publisher.finish(DownloadPhase.FAILED, 0, 0, failure_reason(exc))
             return
         size = manifest.total_size
-        await publisher.finish(DownloadPhase.DONE, size, size)
+        await publisher.finish(DownloadPhase.DONE, size, size, card=card)
         log.info("staged %s (%d files, %d bytes)", command.model_id, len(manifest.files), size)
 
     async def run(self) -> None:

@@ -11,13 +11,16 @@ from pathlib import Path
 from fleet_downloader.convert import CONVERTER_VERSION, gguf_to_hf_folder
 from fleet_downloader.progress import StageProgress
 from fleet_downloader.sources import GgufFileSource, LocalFolderSource, locate, parse_source
-from fleet_proto import DownloadPhase
+from fleet_proto import DownloadPhase, ModelCard
 from fleet_store import (
+    CARD_TEXT_FILES,
     MODELS_BUCKET,
     ModelManifest,
     ObjectStore,
+    file_key,
     load_manifest,
     manifest_key,
+    model_card,
     sha256_file,
     stage_folder,
 )
@@ -54,6 +57,21 @@ def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _i
             return out_dir
 
 
+def _staged(
+    store: ObjectStore, model_id: str, source: str, revision: str, work_dir: Path, report: StageProgress
+) -> tuple[ModelManifest, Path | None]:
+    """The manifest, and the local folder it was staged from (None when it was already staged)."""
+    if store.exists(MODELS_BUCKET, manifest_key(model_id, revision)):  # also validates both
+        log.info("%s@%s is already staged", model_id, revision)
+        return load_manifest(store, MODELS_BUCKET, model_id, revision), None
+    folder = local_model_folder(source, Path(work_dir), report)
+
+    def uploading(done: int, total: int) -> None:
+        report(DownloadPhase.UPLOADING, done, total)
+
+    return stage_folder(store, MODELS_BUCKET, model_id, revision, folder, source, uploading), folder
+
+
 def stage_model(
     store: ObjectStore,
     model_id: str,
@@ -68,13 +86,36 @@ def stage_model(
     A model is identified by (model_id, revision): an existing manifest is returned as it is,
     whatever source it was staged from.
     """
-    report = progress or _ignore
-    if store.exists(MODELS_BUCKET, manifest_key(model_id, revision)):  # also validates both
-        log.info("%s@%s is already staged", model_id, revision)
-        return load_manifest(store, MODELS_BUCKET, model_id, revision)
-    folder = local_model_folder(source, Path(work_dir), report)
+    return _staged(store, model_id, source, revision, work_dir, progress or _ignore)[0]
 
-    def uploading(done: int, total: int) -> None:
-        report(DownloadPhase.UPLOADING, done, total)
 
-    return stage_folder(store, MODELS_BUCKET, model_id, revision, folder, source, uploading)
+def staged_card(store: ObjectStore, manifest: ModelManifest, folder: Path | None = None) -> ModelCard:
+    """The model card of a staged model; the small files it reads come from folder, else the store.
+
+    Raises fleet_store.CardError when the model's config.json does not describe a usable model.
+    """
+    listed = {file.path for file in manifest.files}
+    texts: dict[str, str] = {}
+    for name in CARD_TEXT_FILES:
+        if name not in listed:
+            continue
+        if folder is not None:
+            data = (folder / name).read_bytes()
+        else:
+            data = store.get_bytes(MODELS_BUCKET, file_key(manifest.model_id, manifest.revision, name))
+        texts[name] = data.decode("utf-8", errors="replace")
+    return model_card(manifest, texts)
+
+
+def stage_model_with_card(
+    store: ObjectStore,
+    model_id: str,
+    source: str,
+    revision: str = "main",
+    *,
+    work_dir: Path,
+    progress: StageProgress | None = None,
+) -> tuple[ModelManifest, ModelCard]:
+    """stage_model, then the staged model's card (CardError when it has none; the files stay staged)."""
+    manifest, folder = _staged(store, model_id, source, revision, work_dir, progress or _ignore)
+    return manifest, staged_card(store, manifest, folder)

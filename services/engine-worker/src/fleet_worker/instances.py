@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -39,17 +40,48 @@ def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
     return TokenChunk(**msgspec.structs.asdict(output), index=index)
 
 
+COMPLETE_MARKER = ".fleet-complete"  # written into a model folder once every file is verified
+
+
+def cached_models(model_root: Path) -> tuple[str, ...]:
+    """Models whose files this node holds completely (<root>/<model_id>/<revision>/.fleet-complete)."""
+    found = {
+        str(marker.parent.parent.relative_to(model_root)) for marker in model_root.rglob(COMPLETE_MARKER)
+    }
+    return tuple(sorted(found))
+
+
 class RunningInstance:
     def __init__(self, instance: Instance, engine: EngineProcess) -> None:
         self.instance = instance
         self.engine = engine
         self.next_index: dict[str, int] = {}  # in-flight request -> next chunk index
+        self.prompt_tokens: dict[str, int] = {}  # in-flight request -> its prompt length
+        self.generated: dict[str, int] = {}  # request -> tokens so far (absent: still queued)
         self.pump: asyncio.Task[None] | None = None
+
+    def finish(self, request_id: str) -> None:
+        for table in (self.next_index, self.prompt_tokens, self.generated):
+            table.pop(request_id, None)
+
+    def running_tokens(self) -> int:
+        return sum(self.prompt_tokens[r] + n for r, n in self.generated.items() if r in self.prompt_tokens)
+
+    def queued_tokens(self) -> int:
+        return sum(n for r, n in self.prompt_tokens.items() if r not in self.generated)
 
 
 class InstanceManager:
-    def __init__(self, ctx: ServiceContext, node_id: str, store: ObjectStore, model_root: Path) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        node_id: str,
+        store: ObjectStore,
+        model_root: Path,
+        on_models_changed: Callable[[], Awaitable[None]],
+    ) -> None:
         self._ctx = ctx
+        self._on_models_changed = on_models_changed
         self._node_id = node_id
         self._store = store
         self._model_root = model_root
@@ -58,6 +90,12 @@ class InstanceManager:
 
     def active_requests(self) -> dict[str, int]:
         return {i: len(r.next_index) for i, r in self._running.items()}
+
+    def running_tokens(self) -> dict[str, int]:
+        return {i: r.running_tokens() for i, r in self._running.items()}
+
+    def queued_tokens(self) -> dict[str, int]:
+        return {i: r.queued_tokens() for i, r in self._running.items()}
 
     # -- lifecycle, driven by State ------------------------------------------------------------
     def wanted(self, state: State) -> dict[str, Instance]:
@@ -75,7 +113,7 @@ class InstanceManager:
                     self._load(instance), name=f"load-{instance_id}"
                 )
         for instance_id in list(self._running.keys() | self._loading.keys()):
-            if instance_id not in state.instances:
+            if instance_id not in wanted:  # deleted, failed, or moved to another node
                 await self._unload(instance_id)
 
     async def _publish(self, event) -> None:
@@ -97,7 +135,7 @@ class InstanceManager:
             return
         finally:
             self._loading.pop(iid, None)
-        if iid not in ctx.follower.state.instances:  # deleted while loading
+        if iid not in self.wanted(ctx.follower.state):  # deleted or moved while loading
             await engine.stop()
             return
         running = RunningInstance(instance, engine)
@@ -122,6 +160,10 @@ class InstanceManager:
                 asyncio.run_coroutine_threadsafe(self._publish(event), loop)
 
         await asyncio.to_thread(fetch_model, self._store, MODELS_BUCKET, manifest, folder, progress)
+        marker = folder / COMPLETE_MARKER
+        if not marker.exists():
+            marker.touch()
+            await self._on_models_changed()
         return folder
 
     async def _unload(self, instance_id: str) -> None:
@@ -145,9 +187,10 @@ class InstanceManager:
         async for output in running.engine.outputs():
             index = running.next_index.get(output.request_id, 0)
             if output.finish_reason:
-                running.next_index.pop(output.request_id, None)
+                running.finish(output.request_id)
             else:
                 running.next_index[output.request_id] = index + 1
+                running.generated[output.request_id] = output.completion_tokens
             await publish_chunk(self._ctx.bus, to_chunk(output, index))
         iid = running.instance.instance_id
         if self._running.get(iid) is running:  # the engine died under us, not an unload
@@ -163,6 +206,7 @@ class InstanceManager:
             await publish_chunk(self._ctx.bus, chunk)
             return
         running.next_index[task.request_id] = 0
+        running.prompt_tokens[task.request_id] = len(task.prompt_token_ids)
         running.engine.submit(
             EngineRequest(
                 request_id=task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling

@@ -18,18 +18,23 @@ from fleet_proto import CancelRequest, GenerateTask, NodeJoined, NodeLeft, Servi
 from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
-from fleet_worker.instances import InstanceManager
-from fleet_worker.probe import node_id_from, node_info, node_metrics
+from fleet_worker.instances import InstanceManager, cached_models
+from fleet_worker.probe import Overrides, node_id_from, node_info, node_metrics
 
 METRICS_INTERVAL_S = 1.0
 
 
 async def publish_metrics(
-    ctx: ServiceContext, node_id: str, model_dir: Path, manager: InstanceManager
+    ctx: ServiceContext, node_id: str, model_dir: Path, manager: InstanceManager, overrides: Overrides
 ) -> None:
     while True:
-        sample = await asyncio.to_thread(node_metrics, node_id, model_dir)
-        sample = msgspec.structs.replace(sample, active_requests=manager.active_requests())
+        sample = await asyncio.to_thread(node_metrics, node_id, model_dir, overrides)
+        sample = msgspec.structs.replace(
+            sample,
+            active_requests=manager.active_requests(),
+            running_tokens=manager.running_tokens(),
+            queued_tokens=manager.queued_tokens(),
+        )
         await ctx.bus.publish(metrics_subject(node_id), sample)
         await asyncio.sleep(METRICS_INTERVAL_S)
 
@@ -45,9 +50,16 @@ async def main(ctx: ServiceContext) -> None:
     node_id = ctx.node_id = node_id_from(ctx.settings.resolved_node_id())
     model_dir = Path(ctx.settings.state_dir) / "models"
     store = ObjectStore.from_settings(ctx.settings)
-    manager = InstanceManager(ctx, node_id, store, model_dir)
-    info = await asyncio.to_thread(node_info, node_id, model_dir)
-    await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
+    settings = ctx.settings
+    overrides = Overrides(settings.node_memory_bytes, settings.node_engines, settings.node_kind)
+
+    async def announce() -> None:
+        """NodeJoined on start and whenever what the node offers changes (a model got cached)."""
+        info = await asyncio.to_thread(node_info, node_id, model_dir, overrides, cached_models(model_dir))
+        await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
+
+    manager = InstanceManager(ctx, node_id, store, model_dir, announce)
+    await announce()
 
     cancel_decoder = msgspec.json.Decoder(CancelRequest)
 
@@ -59,7 +71,7 @@ async def main(ctx: ServiceContext) -> None:
 
     cancel_sub = await ctx.bus.nc.subscribe("fleet.cancel.*", cb=on_cancel)
     task_decoder = msgspec.json.Decoder(GenerateTask)
-    ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager), "node-metrics")
+    ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, overrides), "node-metrics")
     ctx.spawn(follow_assignments(ctx, manager), "assignments")
     ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, manager.on_task), "tasks")
 

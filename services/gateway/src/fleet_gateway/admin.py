@@ -11,9 +11,18 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from fleet_bus import Bus, StateFollower
+from fleet_bus import Bus, RequestFailed, StateFollower
 from fleet_gateway.errors import ApiError, decode_json_body
-from fleet_proto import CreateInstance, DeleteInstance, DownloadModel
+from fleet_proto import (
+    CreateInstance,
+    DeleteInstance,
+    DownloadModel,
+    PlacementsReply,
+    PlacementsRequest,
+    Shard,
+    State,
+)
+from fleet_proto.subjects import PLACEMENTS_SUBJECT
 from fleet_store import MODELS_BUCKET, ObjectStore, manifest_key
 
 DEFAULT_REVISION = "main"
@@ -27,6 +36,23 @@ class StageModelBody(msgspec.Struct, forbid_unknown_fields=True):
 class CreateInstanceBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str
     engine: str = ""
+    shards: tuple[Shard, ...] = ()  # an explicit placement (e.g. one of GET /placements' options)
+
+
+def capabilities(state: State) -> dict[str, object]:
+    """Which engines the cluster has (seed's /capabilities), with versions and the nodes offering them."""
+    engines: dict[str, dict[str, list[str]]] = {}
+    for node in state.nodes.values():
+        for engine in node.engines:
+            entry = engines.setdefault(engine.name, {"versions": [], "nodes": []})
+            entry["versions"] = sorted({*entry["versions"], engine.version})
+            entry["nodes"] = sorted({*entry["nodes"], node.node_id})
+    return {
+        "vllm_available": "vllm" in engines,
+        "mlx_available": "mlx" in engines,
+        "engines": engines,
+        "nodes": {n.node_id: {"kind": n.kind, "chip": n.chip} for n in state.nodes.values()},
+    }
 
 
 def _new_id(prefix: str) -> str:
@@ -49,7 +75,11 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
             raise ApiError(404, f"model {body.model!r} is not staged: POST /models first", param="model")
         instance_id = _new_id("inst")
         command = CreateInstance(
-            command_id=_new_id("cmd"), model_id=body.model, instance_id=instance_id, engine=body.engine
+            command_id=_new_id("cmd"),
+            model_id=body.model,
+            instance_id=instance_id,
+            engine=body.engine,
+            shards=body.shards,
         )
         await bus.publish_command(command)
         return web.json_response({"instance_id": instance_id, "model": body.model}, status=202)
@@ -61,6 +91,26 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
         await bus.publish_command(DeleteInstance(command_id=_new_id("cmd"), instance_id=instance_id))
         return web.json_response({"instance_id": instance_id, "deleted": True}, status=202)
 
+    async def placements(request: web.Request) -> web.Response:
+        model = request.query.get("model", "")
+        if not model:
+            raise ApiError(400, "query parameter 'model' is required", param="model")
+        try:
+            reply = await bus.request(
+                PLACEMENTS_SUBJECT, PlacementsRequest(model_id=model), PlacementsReply, 2.0
+            )
+        except RequestFailed as exc:
+            raise ApiError(503, f"the scheduler did not answer: {exc}") from None
+        if reply.error:
+            raise ApiError(404, reply.error, param="model")
+        return web.Response(
+            body=msgspec.json.encode({"model": model, "options": reply.options}),
+            content_type="application/json",
+        )
+
+    async def get_capabilities(_: web.Request) -> web.Response:
+        return web.json_response(capabilities(follower.state))
+
     async def list_instances(_: web.Request) -> web.Response:
         return web.Response(
             body=msgspec.json.encode(follower.state.instances), content_type="application/json"
@@ -70,5 +120,7 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
         web.post("/models", stage_model),
         web.post("/instances", create_instance),
         web.get("/instances", list_instances),
+        web.get("/placements", placements),
+        web.get("/capabilities", get_capabilities),
         web.delete("/instances/{instance_id}", delete_instance),
     ]

@@ -1,11 +1,14 @@
-"""Scheduler service: places instances (CreateInstance/DeleteInstance commands) and routes requests.
+"""Scheduler service: the cluster's only decision maker, wired to the bus.
 
-It is the only service that decides; decisions are pure functions (placement.py, routing.py) and this
-module only wires them to the bus.
+Every replica follows State and answers `fleet.route` and `fleet.placements`; the replica holding
+the leader lease also consumes commands (placement) and times out silent workers (failover).
+Decisions are pure functions (placement.py, liveness.py, fleet_proto.routing).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
@@ -23,31 +26,40 @@ from fleet_proto import (
     InstancePlaced,
     InstanceStatus,
     NodeMetrics,
+    PlacementsReply,
+    PlacementsRequest,
+    RouteDecided,
     RouteRequest,
     ServiceKind,
 )
 from fleet_proto.routing import route
-from fleet_proto.subjects import ROUTE_SUBJECT
+from fleet_proto.subjects import PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
 from fleet_runtime.service import ServiceContext, run
-from fleet_scheduler.placement import PlacementError, place
+from fleet_scheduler.leader import LeaderLease
+from fleet_scheduler.liveness import failover_events, timed_out_nodes
+from fleet_scheduler.placement import PlacementError, place, placement_options
 
 log = logging.getLogger("fleet_scheduler")
+LIVENESS_CHECK_S = 1.0
 
 
 class LoadTracker:
-    """Active requests per instance: the workers' last report plus what was routed since."""
+    """Tokens running + queued per instance: the workers' last report plus what was routed since."""
 
     def __init__(self) -> None:
         self.reported: dict[str, int] = {}
         self.routed_since_report: dict[str, int] = {}
+        self.last_seen: dict[str, float] = {}  # node_id -> monotonic time of its last metrics
 
     def on_metrics(self, metrics: NodeMetrics) -> None:
-        for instance_id, active in metrics.active_requests.items():
-            self.reported[instance_id] = active
+        self.last_seen[metrics.node_id] = time.monotonic()
+        for instance_id in metrics.active_requests:
+            running = metrics.running_tokens.get(instance_id, 0)
+            self.reported[instance_id] = running + metrics.queued_tokens.get(instance_id, 0)
             self.routed_since_report.pop(instance_id, None)
 
-    def on_routed(self, instance_id: str) -> None:
-        self.routed_since_report[instance_id] = self.routed_since_report.get(instance_id, 0) + 1
+    def on_routed(self, instance_id: str, prompt_tokens: int) -> None:
+        self.routed_since_report[instance_id] = self.routed_since_report.get(instance_id, 0) + prompt_tokens
 
     def load(self) -> dict[str, int]:
         keys = self.reported.keys() | self.routed_since_report.keys()
@@ -61,18 +73,24 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
             if command.instance_id in state.instances:
                 return  # a redelivered command already placed
             try:
-                instance = place(state, command.model_id, command.instance_id, command.engine or "mlx")
+                instance = place(
+                    state,
+                    command.model_id,
+                    command.instance_id,
+                    command.engine,
+                    shards=command.shards or None,
+                )
             except PlacementError as exc:
                 instance = Instance(
                     instance_id=command.instance_id,
                     model_id=command.model_id,
                     node_id="",
-                    engine=command.engine or "mlx",
+                    engine=command.engine,
                     status=InstanceStatus.FAILED,
                     reason=str(exc),
                 )
             log.info(
-                "placing %s: %s on %s %s",
+                "placing %s (%s) on %s %s",
                 instance.instance_id,
                 instance.model_id,
                 instance.node_id,
@@ -86,6 +104,32 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
                 await ctx.bus.publish_event(
                     InstanceDeleted(instance_id=command.instance_id, origin=ctx.service_id, at=time.time())
                 )
+
+
+async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker) -> None:
+    """Leader only: fail over nodes whose metrics stopped (a node starts its clock when first seen)."""
+    timeout_s = ctx.settings.node_timeout_s
+    for node_id in ctx.follower.state.nodes:  # a new leader gives every node a full timeout
+        tracker.last_seen.setdefault(node_id, time.monotonic())
+    while True:
+        await asyncio.sleep(LIVENESS_CHECK_S)
+        state = ctx.follower.state
+        for node_id in state.nodes:
+            tracker.last_seen.setdefault(node_id, time.monotonic())
+        for node_id in timed_out_nodes(state, tracker.last_seen, time.monotonic(), timeout_s):
+            reason = f"missed heartbeats for {timeout_s:.0f} s"
+            log.warning("node %s timed out: failing over its instances", node_id)
+
+            def replace(remaining, instance: Instance) -> Instance:
+                return place(remaining, instance.model_id, instance.instance_id, instance.engine)
+
+            for event in failover_events(state, node_id, reason, replace):
+                await ctx.bus.publish_event(
+                    msgspec.structs.replace(event, origin=ctx.service_id, at=time.time())
+                )
+            tracker.last_seen.pop(node_id, None)
+            with contextlib.suppress(TimeoutError):  # our own NodeLeft, applied before the next check
+                await ctx.follower.wait_for(lambda s, n=node_id: n not in s.nodes, 10.0)
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -102,10 +146,8 @@ async def main(ctx: ServiceContext) -> None:
     metrics_decoder = msgspec.json.Decoder(NodeMetrics)
 
     async def on_metrics(msg: Msg) -> None:
-        try:
+        with contextlib.suppress(msgspec.ValidationError):
             tracker.on_metrics(metrics_decoder.decode(msg.data))
-        except msgspec.ValidationError:
-            return
 
     metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=on_metrics)
     ctx.on_shutdown(metrics_sub.unsubscribe)
@@ -113,22 +155,45 @@ async def main(ctx: ServiceContext) -> None:
     async def on_route(request: RouteRequest):
         reply = route(ctx.follower.state, request, tracker.load())
         if reply.instance_id:
-            tracker.on_routed(reply.instance_id)
-        log.debug(
-            "route %s -> %s (%s)", request.request_id, reply.instance_id or "-", reply.reason or reply.error
+            tracker.on_routed(reply.instance_id, request.prompt_tokens)
+        decided = RouteDecided(
+            request_id=request.request_id,
+            model_id=request.model_id,
+            at=time.time(),
+            reply=reply,
+            decided_by=ctx.service_id,
         )
+        await ctx.bus.publish(ROUTE_DECIDED_SUBJECT, decided)
         return reply
 
-    # a queue group: scheduler replicas share the routing load
-    route_sub = await ctx.bus.serve(ROUTE_SUBJECT, RouteRequest, on_route, queue="scheduler")
-    ctx.on_shutdown(route_sub.unsubscribe)
+    async def on_placements(request: PlacementsRequest) -> PlacementsReply:
+        try:
+            return PlacementsReply(options=tuple(placement_options(ctx.follower.state, request.model_id)))
+        except PlacementError as exc:
+            return PlacementsReply(error=str(exc))
+
+    # queue groups: scheduler replicas share the request load
+    for subject, request_type, handler in (
+        (ROUTE_SUBJECT, RouteRequest, on_route),
+        (PLACEMENTS_SUBJECT, PlacementsRequest, on_placements),
+    ):
+        sub = await ctx.bus.serve(subject, request_type, handler, queue="scheduler")
+        ctx.on_shutdown(sub.unsubscribe)
 
     async def on_command(command: Command, delivery: Delivery) -> None:
         await handle_command(ctx, command, delivery)
 
-    ctx.spawn(
-        consume_commands(ctx.bus, "scheduler", (CreateInstance, DeleteInstance), on_command), "commands"
-    )
+    async def commands() -> None:
+        await consume_commands(ctx.bus, "scheduler", (CreateInstance, DeleteInstance), on_command)
+
+    async def liveness() -> None:
+        await watch_liveness(ctx, tracker)
+
+    # Only the leader consumes commands and times out workers; a crashed duty ends the leadership
+    # (and the service), so a healthy replica takes over. Routing stays on every replica.
+    lease = LeaderLease(ctx.bus, ctx.service_id)
+    ctx.spawn(lease.lead({"commands": commands, "liveness": liveness}), "leader")
+    ctx.on_shutdown(lease.release)  # a follower takes over at once rather than after the lease expires
 
 
 def cli() -> None:

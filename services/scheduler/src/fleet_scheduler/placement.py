@@ -1,50 +1,369 @@
-"""Where a new instance runs: a pure function of State (issue 4 grows the rules)."""
+"""Where a new instance runs: pure functions of State that list, score and pick placements.
+
+The rules come from the seeds (exo's vLLM-aware placement): an engine runs only where it is installed;
+a model needs its weights times the engine's headroom; MLX-quantized weights load only in MLX and not
+on CUDA; mlx-community models prefer Apple, then CPU nodes; nodes that hold the files already come
+next; otherwise the most memory left after loading wins.
+"""
 
 from __future__ import annotations
 
-from fleet_proto import Instance, InstanceStatus, NodeInfo, State
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
 
-# Loading a model needs its weights plus working memory (KV cache, activations).
-MEMORY_HEADROOM = 1.3
+import msgspec
+
+from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, NodeKind, PlacementOption, Shard, State
+
+GiB = 2**30
+MLX_COMMUNITY = "mlx-community"
+_UNQUANTIZED = frozenset({"", "bf16", "fp16", "bfloat16", "float16", "fp32", "float32"})
+# Instances that hold (or will hold) memory on their nodes. A node's available memory in State is what
+# it reported when it joined, before these instances loaded, so every live instance is subtracted.
+_PROMISING = frozenset(
+    {
+        InstanceStatus.PLACED,
+        InstanceStatus.DOWNLOADING,
+        InstanceStatus.LOADING,
+        InstanceStatus.WARMING,
+        InstanceStatus.READY,
+        InstanceStatus.DRAINING,
+    }
+)
+
+
+class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
+    pipeline: bool  # can split a model's layers across nodes
+    memory_headroom: float = 1.3  # weights plus working memory (KV cache, activations)
+
+
+ENGINE_CAPS: dict[str, EngineCaps] = {
+    "mlx": EngineCaps(pipeline=False),  # issue 15 enables pipeline
+    "vllm": EngineCaps(pipeline=False),
+}
 
 
 class PlacementError(ValueError):
     """Nothing fits; the message says why, for the user."""
 
 
-def model_bytes(state: State, model_id: str) -> int:
-    """Size of the model's files as the downloader reported it (0 when unknown)."""
+def option_label(option: PlacementOption) -> str:
+    return "+".join(s.node_id for s in option.shards)
+
+
+def option_score(kind: int, nodes: int, uncached: int, free_after: int) -> float:
+    """One sortable number, tier by tier: preferred node kind, then fewer pipeline hops, then files
+    already on disk, then GiB left (tiers of 1e6 GiB; float keeps ~1 MiB resolution)."""
+    free_gib = max(min(free_after / GiB, 4e5), -4e5)
+    return ((kind * 1000 - nodes) * 1000 - uncached) * 1e6 + free_gib
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+def _known_card(state: State, model_id: str) -> ModelCard | None:
+    """The staged card, or a stand-in sized by the download (layer count unknown: one layer)."""
+    card = state.models.get(model_id)
     status = state.downloads.get(model_id)
-    return status.total_bytes if status is not None else 0
-
-
-def _has_engine(node: NodeInfo, engine: str) -> bool:
-    return any(e.name == engine for e in node.engines)
-
-
-def _reserved_bytes(state: State, node_id: str) -> int:
-    """Memory promised to the node's placed or loading instances (not yet visible in its metrics)."""
-    return sum(
-        int(model_bytes(state, i.model_id) * MEMORY_HEADROOM)
-        for i in state.instances.values()
-        if i.node_id == node_id and i.status in (InstanceStatus.PLACED, InstanceStatus.LOADING)
+    if card is not None or status is None or status.total_bytes <= 0:
+        return card
+    return ModelCard(
+        model_id=model_id,
+        architecture="",
+        num_layers=1,
+        hidden_size=0,
+        num_kv_heads=0,
+        head_dim=0,
+        dtype="",
+        storage_bytes=status.total_bytes,
+        publisher=model_id.split("/")[0] if "/" in model_id else "",
     )
 
 
-def place(state: State, model_id: str, instance_id: str, engine: str = "mlx") -> Instance:
-    """The node with the engine and the most free memory left after the model is loaded."""
+def model_card(state: State, model_id: str) -> ModelCard:
+    card = _known_card(state, model_id)
+    if card is None:
+        raise PlacementError(f"model {model_id} is not staged")
+    return card
+
+
+def is_mlx_community(card: ModelCard) -> bool:
+    return card.publisher == MLX_COMMUNITY or card.model_id.startswith(MLX_COMMUNITY + "/")
+
+
+def is_mlx_quantized(card: ModelCard) -> bool:
+    quantization = card.quantization.lower()
+    return quantization.startswith("mlx-") or (is_mlx_community(card) and quantization not in _UNQUANTIZED)
+
+
+def _engines(card: ModelCard, caps: Mapping[str, EngineCaps], engine: str = "") -> list[str]:
+    known = [e for e in card.supported_engines if e in caps]
+    if engine and engine not in known:
+        supported = ", ".join(card.supported_engines) or "none"
+        raise PlacementError(f"{card.model_id} does not run on {engine} (supported: {supported})")
+    if not known:
+        raise PlacementError(f"{card.model_id} supports no known engine ({card.supported_engines})")
+    return [engine] if engine else known
+
+
+# --- one rule per function ---------------------------------------------------------------------
+
+
+def has_engine(node: NodeInfo, engine: str) -> bool:
+    return any(e.name == engine for e in node.engines)
+
+
+def engine_refusal(card: ModelCard, engine: str) -> str:
+    # Only MLX reads MLX's quantized format: vLLM never loads mlx-community 4/8-bit weights.
+    if is_mlx_quantized(card) and engine != "mlx":
+        return f"{engine} cannot load MLX-quantized weights ({card.quantization or MLX_COMMUNITY})"
+    return ""
+
+
+def node_refusal(card: ModelCard, engine: str, node: NodeInfo) -> str:
+    if not has_engine(node, engine):
+        return f"no {engine} engine"
+    # MLX has no quantized matmul on CUDA.
+    if is_mlx_quantized(card) and node.kind == NodeKind.CUDA:
+        return "MLX-quantized weights do not run on CUDA nodes"
+    return ""
+
+
+def kind_rank(card: ModelCard, node: NodeInfo) -> int:
+    """mlx-community models run best on Apple silicon, then on CPUs; other models have no preference."""
+    if not is_mlx_community(card):
+        return 0
+    return {NodeKind.APPLE: 2, NodeKind.CPU: 1}.get(node.kind, 0)
+
+
+def memory_needed(card: ModelCard, shards: Sequence[Shard], headroom: float) -> dict[str, int]:
+    """Bytes each node needs: its share of the layers' storage, times the engine's headroom."""
+    need: dict[str, int] = {}
+    for s in shards:
+        layers = s.end_layer - s.start_layer
+        share = math.ceil(card.storage_bytes * layers * headroom / max(card.num_layers, 1))
+        need[s.node_id] = need.get(s.node_id, 0) + share
+    return need
+
+
+def free_bytes(state: State, caps: Mapping[str, EngineCaps] = ENGINE_CAPS) -> dict[str, int]:
+    """Each node's available memory (as it joined) less what its live instances take."""
+    promised: dict[str, int] = {}
+    for instance in state.instances.values():
+        card = _known_card(state, instance.model_id)
+        if instance.status not in _PROMISING or card is None:
+            continue
+        whole = (Shard(node_id=instance.node_id, start_layer=0, end_layer=card.num_layers),)
+        headroom = caps.get(instance.engine, EngineCaps(pipeline=False)).memory_headroom
+        for node_id, n in memory_needed(card, instance.shards or whole, headroom).items():
+            promised[node_id] = promised.get(node_id, 0) + n
+    return {
+        node_id: n.memory_available_bytes - promised.get(node_id, 0) for node_id, n in state.nodes.items()
+    }
+
+
+def split_layers(num_layers: int, weights: Sequence[int]) -> list[int]:
+    """Layer counts in proportion to weights, at least one each: each boundary is rounded, then clamped."""
+    total, cumulative, ends = sum(weights), 0, [0]
+    for i, weight in enumerate(weights):
+        cumulative += weight
+        end = (2 * num_layers * cumulative + total) // (2 * total)  # round half up
+        ends.append(min(max(end, ends[-1] + 1), num_layers - (len(weights) - 1 - i)))
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
+# --- options -----------------------------------------------------------------------------------
+
+
+def _evaluate(
+    state: State,
+    card: ModelCard,
+    engine: str,
+    shards: tuple[Shard, ...],
+    free: Mapping[str, int],
+    caps: EngineCaps,
+) -> PlacementOption:
+    need = memory_needed(card, shards, caps.memory_headroom)
+    after = {node_id: free[node_id] - n for node_id, n in need.items()}
+    nodes = [state.nodes[node_id] for node_id in need]
+    problems = [(n.node_id, node_refusal(card, engine, n)) for n in nodes]
+    problems += [(i, f"needs {gib(need[i])}, {gib(free[i])} free") for i in need if after[i] < 0]
+    problems = [(i, p) for i, p in problems if p]
+    uncached = sum(card.model_id not in n.cached_models for n in nodes)
+    kind = min(kind_rank(card, n) for n in nodes)
+    if problems:
+        reason = problems[0][1] if len(nodes) == 1 else ", ".join(f"{i}: {p}" for i, p in problems)
+    else:
+        reason = f"fits with {gib(min(after.values()))} left"
+        reason += "; files cached" if uncached == 0 else ""
+        reason += f"; {nodes[0].kind} preferred for {MLX_COMMUNITY}" if kind and len(nodes) == 1 else ""
+    return PlacementOption(
+        engine=engine,
+        shards=shards,
+        feasible=not problems,
+        reason=reason,
+        memory_needed=need,
+        free_after=after,
+        score=option_score(kind, len(nodes), uncached, min(after.values())),
+    )
+
+
+def _pipeline_layouts(
+    card: ModelCard, engine: str, nodes: list[NodeInfo], free: Mapping[str, int]
+) -> Iterator[tuple[Shard, ...]]:
+    """For each k >= 2, the k roomiest usable nodes (no other k nodes have more memory), by node_id."""
+    usable = [n for n in nodes if not node_refusal(card, engine, n) and free[n.node_id] > 0]
+    roomiest = sorted(usable, key=lambda n: (-free[n.node_id], n.node_id))
+    for k in range(2, min(len(roomiest), card.num_layers) + 1):
+        chosen = sorted(roomiest[:k], key=lambda n: n.node_id)
+        counts = split_layers(card.num_layers, [free[n.node_id] for n in chosen])
+        ends = list(itertools.accumulate(counts))
+        yield tuple(
+            Shard(node_id=n.node_id, start_layer=end - count, end_layer=end)
+            for n, count, end in zip(chosen, counts, ends, strict=True)
+        )
+
+
+def _rank(options: list[PlacementOption]) -> list[PlacementOption]:
+    # reverse=True keeps the (deterministic) generation order among equals.
+    return sorted(options, key=lambda o: (o.feasible, o.score), reverse=True)
+
+
+def placement_options(
+    state: State, model_id: str, caps: Mapping[str, EngineCaps] = ENGINE_CAPS
+) -> list[PlacementOption]:
+    """Every way to run model_id on the cluster, feasible first, best first."""
+    card = model_card(state, model_id)
+    free = free_bytes(state, caps)
+    nodes = sorted(state.nodes.values(), key=lambda n: n.node_id)
+    options: list[PlacementOption] = []
+    for engine in _engines(card, caps):
+        if refusal := engine_refusal(card, engine):
+            options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=refusal))
+            continue
+        whole = [(Shard(node_id=n.node_id, start_layer=0, end_layer=card.num_layers),) for n in nodes]
+        singles = [_evaluate(state, card, engine, shards, free, caps[engine]) for shards in whole]
+        options += singles
+        if caps[engine].pipeline:
+            layouts = _pipeline_layouts(card, engine, nodes, free)
+            options += [_evaluate(state, card, engine, shards, free, caps[engine]) for shards in layouts]
+        elif sum(has_engine(n, engine) for n in nodes) > 1 and not any(o.feasible for o in singles):
+            reason = f"engine {engine} cannot split a model across nodes"
+            options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=reason))
+    return _rank(options)
+
+
+# --- explicit placements and the choice --------------------------------------------------------
+
+
+def layout_problem(
+    state: State, card: ModelCard, engine: str, shards: Sequence[Shard], caps: Mapping[str, EngineCaps]
+) -> str:
+    """Why an explicit placement is malformed ("" when it is well formed)."""
+    if not shards:
+        return "no shards given"
+    ids = [s.node_id for s in shards]
+    if missing := [i for i in ids if i not in state.nodes]:
+        return f"node {missing[0]} is not in the cluster"
+    if len(set(ids)) != len(ids):
+        return "a node appears in more than one shard"
+    if len(shards) > 1 and not caps[engine].pipeline:
+        return f"engine {engine} cannot split a model across nodes"
+    expected = 0
+    for s in shards:
+        if s.start_layer != expected:
+            return f"shard on {s.node_id} starts at layer {s.start_layer}, expected {expected}"
+        if s.end_layer <= s.start_layer:
+            return f"shard on {s.node_id} has no layers"
+        expected = s.end_layer
+    if expected != card.num_layers:
+        return f"shards end at layer {expected}, the model has {card.num_layers}"
+    return ""
+
+
+def _shard_node_refusal(state: State, card: ModelCard, engine: str, shards: Sequence[Shard]) -> str:
+    for shard in shards:
+        if reason := node_refusal(card, engine, state.nodes[shard.node_id]):
+            return f"{shard.node_id}: {reason}"
+    return ""
+
+
+def _explicit_options(
+    state: State,
+    card: ModelCard,
+    engines: list[str],
+    shards: tuple[Shard, ...],
+    caps: Mapping[str, EngineCaps],
+) -> list[PlacementOption]:
+    free = free_bytes(state, caps)
+    options = []
+    for engine in engines:
+        problem = (
+            engine_refusal(card, engine)
+            or layout_problem(state, card, engine, shards, caps)
+            or _shard_node_refusal(state, card, engine, shards)
+        )
+        if problem:
+            options.append(PlacementOption(engine=engine, shards=shards, feasible=False, reason=problem))
+        else:
+            options.append(_evaluate(state, card, engine, shards, free, caps[engine]))
+    return _rank(options)
+
+
+def _refusal(
+    card: ModelCard,
+    options: list[PlacementOption],
+    engines: list[str],
+    caps: Mapping[str, EngineCaps],
+    explicit: bool,
+) -> str:
+    """One line for the user: why each engine and node was refused, nodes refused alike grouped."""
+    if explicit:
+        reasons = (f"{o.engine}: {o.reason}" if len(engines) > 1 else o.reason for o in options)
+        return f"cannot place {card.model_id} as asked: " + "; ".join(reasons)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for o in sorted(options, key=lambda o: (not o.shards, engines.index(o.engine), option_label(o))):
+        groups.setdefault((o.engine, o.reason), []).append(option_label(o))
+    items = []
+    for (engine, reason), labels in groups.items():
+        where = ", ".join(filter(None, labels))
+        where += f" ({engine})" if where and len(engines) > 1 else ""
+        items.append(f"{where}: {reason}" if where else reason)
+    whole = [Shard(node_id="", start_layer=0, end_layer=card.num_layers)]
+    need = memory_needed(card, whole, caps[engines[0]].memory_headroom)[""]
+    return f"no node fits {card.model_id} (needs {gib(need)}): " + "; ".join(items)
+
+
+def place(
+    state: State,
+    model_id: str,
+    instance_id: str,
+    engine: str = "",
+    caps: Mapping[str, EngineCaps] = ENGINE_CAPS,
+    shards: Sequence[Shard] | None = None,
+) -> Instance:
+    """The best feasible placement (on `engine` when given), or the one asked for in `shards`, checked."""
     if not state.nodes:
         raise PlacementError("no engine-worker has joined the cluster")
-    need = int(model_bytes(state, model_id) * MEMORY_HEADROOM)
-    capable = [n for n in state.nodes.values() if _has_engine(n, engine)]
-    if not capable:
-        raise PlacementError(f"no node has the {engine!r} engine installed")
-    free = {n.node_id: n.memory_available_bytes - _reserved_bytes(state, n.node_id) for n in capable}
-    fitting = sorted((f - need, node_id) for node_id, f in free.items() if f >= need)
-    if not fitting:
-        best = max(free.values())
-        raise PlacementError(
-            f"{model_id} needs {need / 2**30:.2f} GiB; the most free on any node is {best / 2**30:.2f} GiB"
-        )
-    _, node_id = fitting[-1]
-    return Instance(instance_id=instance_id, model_id=model_id, node_id=node_id, engine=engine)
+    card = model_card(state, model_id)
+    engines = _engines(card, caps, engine)
+    if shards is not None:
+        options = _explicit_options(state, card, engines, tuple(shards), caps)
+    else:
+        options = [o for o in placement_options(state, model_id, caps) if o.engine in engines]
+    best = next((o for o in options if o.feasible), None)
+    if best is None:
+        raise PlacementError(_refusal(card, options, engines, caps, explicit=shards is not None))
+    return Instance(
+        instance_id=instance_id,
+        model_id=model_id,
+        node_id=best.shards[0].node_id,
+        engine=best.engine,
+        # A stand-in card does not know the layer count: no shards means all layers.
+        shards=best.shards if model_id in state.models else (),
+    )

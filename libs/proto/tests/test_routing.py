@@ -1,0 +1,69 @@
+"""Routing rules: load, MLX-decode preference, base-model matching, prefill endpoints."""
+
+from __future__ import annotations
+
+from fleet_proto import Instance, InstancePlaced, InstanceReady, ModelCard, ModelStaged, RouteRequest, replay
+from fleet_proto.routing import route
+
+
+def card(model_id: str, base: str) -> ModelStaged:
+    return ModelStaged(
+        card=ModelCard(
+            model_id=model_id,
+            architecture="llama",
+            num_layers=2,
+            hidden_size=64,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype="bfloat16",
+            storage_bytes=1,
+            base_model=base,
+        )
+    )
+
+
+def ready(instance_id: str, model_id: str = "m", engine: str = "mlx", role: str = "both", node: str = ""):
+    node = node or f"n-{instance_id}"
+    instance = Instance(instance_id=instance_id, model_id=model_id, node_id=node, engine=engine, role=role)
+    return (InstancePlaced(instance=instance), InstanceReady(instance_id=instance_id))
+
+
+def state_of(*events):
+    return replay(enumerate(events, start=1))
+
+
+REQUEST = RouteRequest(request_id="r", model_id="m", prompt_tokens=10)
+
+
+def test_mlx_decode_is_preferred_over_vllm_even_when_busier():
+    state = state_of(*ready("a", engine="vllm"), *ready("b", engine="mlx"))
+    reply = route(state, REQUEST, {"a": 0, "b": 5000})
+    assert reply.instance_id == "b"
+    assert "mlx" in reply.reason
+
+
+def test_least_loaded_by_tokens_among_the_preferred_engine():
+    state = state_of(*ready("a"), *ready("b"), *ready("c", engine="vllm"))
+    assert route(state, REQUEST, {"a": 300, "b": 200, "c": 0}).instance_id == "b"
+
+
+def test_same_base_model_serves_when_the_exact_model_has_no_instance():
+    state = state_of(
+        card("m", "Llama-3.2-1B-Instruct"),
+        card("mlx-community/m-4bit", "Llama-3.2-1B-Instruct"),
+        *ready("q", model_id="mlx-community/m-4bit"),
+    )
+    reply = route(state, REQUEST, {})
+    assert reply.instance_id == "q"
+    assert "same base model" in reply.reason
+
+
+def test_prefill_instance_is_returned_and_never_chosen_for_decode():
+    state = state_of(*ready("p", role="prefill", engine="vllm"), *ready("d", role="decode"))
+    reply = route(state, REQUEST, {})
+    assert (reply.instance_id, reply.prefill_instance_id, reply.prefill_worker_id) == ("d", "p", "n-p")
+
+
+def test_only_a_prefill_instance_is_no_route():
+    state = state_of(*ready("p", role="prefill"))
+    assert route(state, REQUEST, {}).error == "no ready instance of m"

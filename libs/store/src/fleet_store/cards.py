@@ -1,0 +1,254 @@
+"""Model cards: what placement needs to know about a staged model, derived from its manifest.
+
+Pure: everything comes from the manifest (config.json and the file list) and, optionally, the text of
+a few small files (`CARD_TEXT_FILES`) that the caller read from the model folder or the store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fleet_proto import ModelCard
+from fleet_store.manifest import ManifestFile, ModelManifest
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+CARD_TEXT_FILES: tuple[str, ...] = (TOKENIZER_CONFIG, SAFETENSORS_INDEX)
+"""Files whose text makes a card more exact; pass those the manifest lists as `files_text`."""
+
+DEFAULT_DTYPE = "bfloat16"
+MLX_PUBLISHER = "mlx-community"
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+# Quantization / format suffixes of a model name ("-4bit", "-bf16", "-MLX" ...), stripped repeatedly.
+_QUANT_SUFFIX = re.compile(r"-(?:\d+bit|bf16|fp16|fp32|fp8|mlx)$", re.IGNORECASE)
+# A hub id: exactly "org/name", each part starting with a letter or digit.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class CardError(ValueError):
+    """The manifest does not describe a model placement can use (e.g. config.json has no layer count)."""
+
+
+# --- names -------------------------------------------------------------------------------------
+
+
+def publisher_of(model_id: str) -> str:
+    """The org part of a hub id ("mlx-community/x" -> "mlx-community"), "" when there is none."""
+    return model_id.split("/", 1)[0] if "/" in model_id else ""
+
+
+def base_model_name(model_id: str) -> str:
+    """The name part of a model id without quantization suffixes, so conversions match their original.
+
+    "mlx-community/Llama-3.2-1B-Instruct-4bit" and "meta-llama/Llama-3.2-1B-Instruct" both give
+    "Llama-3.2-1B-Instruct". Only quantization / format suffixes go ("-4bit", "-8bit", "-bf16",
+    "-fp16", "-fp32", "-fp8", "-mlx", any case); "-Instruct" and the like name different weights.
+    """
+    name = model_id.rsplit("/", 1)[-1]
+    while True:
+        stripped = _QUANT_SUFFIX.sub("", name)
+        if stripped == name or not stripped:
+            return name
+        name = stripped
+
+
+def _base_model(model_id: str, config: Mapping[str, Any]) -> str:
+    """config's `_name_or_path` when it is another hub id, else the model id itself; both normalised."""
+    name_or_path = config.get("_name_or_path")
+    if isinstance(name_or_path, str) and name_or_path != model_id and _HUB_ID.match(name_or_path):
+        return base_model_name(name_or_path)
+    return base_model_name(model_id)
+
+
+# --- config ------------------------------------------------------------------------------------
+
+
+def _layers(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    """Where a field is looked up, first match wins: a multimodal config's text_config, then the top."""
+    text = config.get("text_config")
+    return (text, config) if isinstance(text, Mapping) else (config,)
+
+
+def _lookup(layers: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> Any:
+    for layer in layers:
+        for key in keys:
+            if layer.get(key) is not None:
+                return layer[key]
+    return None
+
+
+def _positive_int(model_id: str, layers: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> int | None:
+    value = _lookup(layers, keys)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CardError(f"{model_id}: config.json has {keys[0]}={value!r}, not a positive integer")
+    return value
+
+
+def _required_int(
+    model_id: str, layers: tuple[Mapping[str, Any], ...], keys: tuple[str, ...], what: str
+) -> int:
+    value = _positive_int(model_id, layers, keys)
+    if value is None:
+        raise CardError(f"{model_id}: config.json has no {what} ({', '.join(keys)})")
+    return value
+
+
+def _dtype(layers: tuple[Mapping[str, Any], ...]) -> str:
+    value = _lookup(layers, _DTYPE_KEYS)
+    if not isinstance(value, str) or not value:
+        return DEFAULT_DTYPE
+    return value.removeprefix("torch.")
+
+
+def _quantization(config: Mapping[str, Any], publisher: str) -> str:
+    """ "mlx-<bits>bit" (or "mlx-<mode>") for MLX quantization, the quant_method otherwise, "" for none.
+
+    MLX writes `quantization: {group_size, bits}` (and often the same under `quantization_config`)
+    without a quant_method; transformers-style methods (fp8, awq, gptq ...) always name theirs.
+    """
+    for key in ("quantization", "quantization_config"):
+        spec = config.get(key)
+        if not isinstance(spec, Mapping) or not spec:
+            continue
+        method = spec.get("quant_method")
+        if isinstance(method, str) and method:
+            return method.lower()
+        bits = spec.get("bits")
+        mlx_style = key == "quantization" or "group_size" in spec or publisher == MLX_PUBLISHER
+        if mlx_style and isinstance(bits, int) and not isinstance(bits, bool):
+            mode = spec.get("mode")
+            if isinstance(mode, str) and mode and mode != "affine":
+                return f"mlx-{mode.lower()}"
+            return f"mlx-{bits}bit"
+    return ""
+
+
+def _supported_engines(quantization: str) -> tuple[str, ...]:
+    """Which engines can load the staged weights.
+
+    Staged models are Hugging Face safetensors folders (the downloader converts GGUF first), and
+    mlx-lm loads most architectures, so: "mlx" unless the weights use a non-MLX quantization
+    (fp8, awq, gptq ... which mlx-lm cannot load); "vllm" unless they are MLX-quantized (vLLM cannot
+    load MLX's packed weights).
+    """
+    mlx_quantized = quantization.startswith("mlx-")
+    engines = []
+    if not quantization or mlx_quantized:
+        engines.append("mlx")
+    if not mlx_quantized:
+        engines.append("vllm")
+    return tuple(engines)
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def _json_object(model_id: str, name: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CardError(f"{model_id}: {name} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise CardError(f"{model_id}: {name} is not a JSON object")
+    return value
+
+
+def _top_level(files: tuple[ManifestFile, ...], suffix: str) -> list[ManifestFile]:
+    return [file for file in files if "/" not in file.path and file.path.endswith(suffix)]
+
+
+def _storage_bytes(model_id: str, files: tuple[ManifestFile, ...], files_text: Mapping[str, str]) -> int:
+    """Bytes of the weights an engine loads: the top-level weight files of one format.
+
+    With the safetensors index's text, the shards its weight_map names (repos may also carry e.g. a
+    consolidated.safetensors copy); without it, every *.safetensors file. Folders without
+    safetensors count their *.gguf files, else their *.bin files (training_args.bin is no weight).
+    """
+    by_path = {file.path: file for file in files}
+    index_text = files_text.get(SAFETENSORS_INDEX)
+    if index_text is not None:
+        weight_map = _json_object(model_id, SAFETENSORS_INDEX, index_text).get("weight_map")
+        if not isinstance(weight_map, Mapping):
+            raise CardError(f"{model_id}: {SAFETENSORS_INDEX} has no weight_map")
+        shards = {str(path) for path in weight_map.values()}
+        missing = sorted(shards - by_path.keys())
+        if missing:
+            raise CardError(f"{model_id}: {SAFETENSORS_INDEX} names files the model lacks: {missing}")
+        return sum(by_path[path].size for path in shards)
+    for suffix in (".safetensors", ".gguf", ".bin"):
+        weights = [file for file in _top_level(files, suffix) if file.path != "training_args.bin"]
+        if weights:
+            return sum(file.size for file in weights)
+    raise CardError(f"{model_id}: no weight files (*.safetensors, *.gguf or *.bin)")
+
+
+def _has_chat_template(model_id: str, paths: set[str], files_text: Mapping[str, str]) -> bool:
+    if "chat_template.jinja" in paths:
+        return True
+    text = files_text.get(TOKENIZER_CONFIG)
+    if text is not None:
+        return bool(_json_object(model_id, TOKENIZER_CONFIG, text).get("chat_template"))
+    # Its text was not given: a tokenizer_config.json may carry a template, so assume it does.
+    return TOKENIZER_CONFIG in paths
+
+
+# --- the card ----------------------------------------------------------------------------------
+
+
+def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = None) -> ModelCard:
+    """The card of a staged model, from its config.json, its file list and optionally files' text.
+
+    files_text maps file paths (of `CARD_TEXT_FILES`) to their contents; without it the chat template
+    is inferred from file presence and storage counts every top-level *.safetensors file.
+    Raises CardError when config.json is missing or lacks the layer count or another dimension.
+    """
+    model_id = manifest.model_id
+    texts: Mapping[str, str] = files_text or {}
+    config = manifest.config
+    if not config:
+        raise CardError(f"{model_id}: the manifest has no config.json")
+    layers = _layers(config)
+    num_layers = _required_int(model_id, layers, _LAYER_KEYS, "layer count")
+    hidden_size = _required_int(model_id, layers, _HIDDEN_KEYS, "hidden size")
+    num_heads = _positive_int(model_id, layers, _HEAD_KEYS)
+    num_kv_heads = _positive_int(model_id, layers, _KV_HEAD_KEYS) or num_heads
+    head_dim = _positive_int(model_id, layers, ("head_dim",))
+    if num_kv_heads is None:
+        raise CardError(f"{model_id}: config.json has no attention head count ({', '.join(_HEAD_KEYS)})")
+    if head_dim is None:
+        if num_heads is None:  # only kv heads given: hidden_size // kv heads would be wrong
+            raise CardError(f"{model_id}: config.json has neither head_dim nor num_attention_heads")
+        head_dim = hidden_size // num_heads
+    architecture = config.get("model_type") or (layers[0].get("model_type") if len(layers) > 1 else None)
+    if not isinstance(architecture, str) or not architecture:
+        raise CardError(f"{model_id}: config.json has no model_type")
+    publisher = publisher_of(model_id)
+    quantization = _quantization(config, publisher)
+    paths = {file.path for file in manifest.files}
+    return ModelCard(
+        model_id=model_id,
+        architecture=architecture,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=_dtype(layers),
+        storage_bytes=_storage_bytes(model_id, manifest.files, texts),
+        quantization=quantization,
+        publisher=publisher,
+        base_model=_base_model(model_id, config),
+        has_tokenizer="tokenizer.json" in paths,
+        has_chat_template=_has_chat_template(model_id, paths, texts),
+        supported_engines=_supported_engines(quantization),
+    )

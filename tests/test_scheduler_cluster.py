@@ -1,0 +1,160 @@
+"""The scheduler with several engine-workers: placement, previews, capabilities, failover.
+
+Real nats/S3/valkey and real worker processes; each worker is told what memory and engines to
+report (FLEET_NODE_MEMORY_BYTES, FLEET_NODE_ENGINES) so placement can be exercised on one machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from fleet_local import stack
+from fleet_local.processes import free_port, pid_alive, spawn, stop_pid
+from tests.support import MESSAGES, MODEL, make_chat_model
+
+GiB = 2**30
+
+
+def worker_env(manifest: stack.StackManifest, node_id: str, memory: int, engines: str, state: Path) -> dict:
+    servers = {p.name: p.url for p in manifest.processes}
+    return {
+        **os.environ,
+        "FLEET_NATS_URL": manifest.nats_url,
+        "FLEET_S3_ENDPOINT": servers["s3"],
+        "FLEET_REDIS_URL": servers["redis"],
+        "FLEET_STATE_DIR": str(state),
+        "FLEET_HEALTH_PORT": "0",
+        "FLEET_NODE_ID": node_id,
+        "FLEET_NODE_MEMORY_BYTES": str(memory),
+        "FLEET_NODE_ENGINES": engines,
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[stack.StackManifest, dict[str, int]]]:
+    """The stack's own worker is w1 (mlx, 2 GiB); w2 (mlx, 6 GiB) and w3 (no engine) join it."""
+    root = tmp_path_factory.mktemp("cluster")
+    model_dir = make_chat_model(root / "model")
+    env = {
+        **os.environ,
+        "FLEET_NODE_ID": "w1",
+        "FLEET_NODE_MEMORY_BYTES": str(2 * GiB),
+        "FLEET_NODE_ENGINES": "mlx",
+    }
+    up = subprocess.run(
+        [sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(root / "state"),
+         "--port", str(free_port()), "--model", ""],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    manifest = stack.read_manifest(root / "state")
+    workers: dict[str, int] = {}
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        for node_id, memory, engines in (("w2", 6 * GiB, "mlx"), ("w3", 16 * GiB, "none")):
+            log = root / f"{node_id}.log"
+            proc = spawn(
+                [sys.executable, "-m", "fleet_worker"],
+                log,
+                worker_env(manifest, node_id, memory, engines, root / node_id),
+            )
+            workers[node_id] = proc.pid
+        asyncio.run(stage(manifest.gateway_url, f"file://{model_dir}"))
+        yield manifest, workers
+    finally:
+        for pid in workers.values():
+            stop_pid(pid)
+        stack.down(root / "state")
+
+
+async def stage(gateway: str, source: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{gateway}/models", json={"model": MODEL, "source": source}) as response:
+            assert response.status == 202
+        await until(session, gateway, lambda s: MODEL in s["models"] and len(s["nodes"]) == 3, 60)
+
+
+async def until(session: aiohttp.ClientSession, gateway: str, predicate, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with session.get(f"{gateway}/state") as response:
+            state = await response.json()
+        if predicate(state):
+            return state
+        assert time.monotonic() < deadline, (
+            f"timed out; state: {state['instances']} nodes {list(state['nodes'])}"
+        )
+        await asyncio.sleep(0.2)
+
+
+async def test_capabilities_list_the_engines_and_their_nodes(cluster):
+    manifest, _ = cluster
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{manifest.gateway_url}/capabilities") as response,
+    ):
+        body = await response.json()
+    assert body["mlx_available"] is True and body["vllm_available"] is False
+    assert body["engines"]["mlx"]["nodes"] == ["w1", "w2"]
+
+
+async def test_placement_previews_show_every_option_with_reasons(cluster):
+    manifest, _ = cluster
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{manifest.gateway_url}/placements", params={"model": MODEL}) as response:
+            assert response.status == 200
+            options = (await response.json())["options"]
+        async with session.get(f"{manifest.gateway_url}/placements", params={"model": "no/such"}) as response:
+            assert response.status == 404
+    feasible = [o for o in options if o["feasible"]]
+    assert {o["shards"][0]["node_id"] for o in feasible} == {"w1", "w2"}
+    assert feasible[0]["shards"][0]["node_id"] == "w2"  # the most memory left after placing
+    assert all(o["memory_needed"] for o in feasible)
+
+
+async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(cluster):
+    manifest, workers = cluster
+    gateway = manifest.gateway_url
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
+            instance_id = (await response.json())["instance_id"]
+        state = await until(
+            session, gateway, lambda s: s["instances"].get(instance_id, {}).get("status") == "ready", 60
+        )
+        assert state["instances"][instance_id]["node_id"] == "w2"
+
+        os.killpg(workers["w2"], signal.SIGKILL)  # no goodbye: only the missing heartbeats tell
+        killed = time.monotonic()
+        state = await until(session, gateway, lambda s: "w2" not in s["nodes"], 15)
+        detected_s = time.monotonic() - killed
+        state = await until(
+            session, gateway, lambda s: s["instances"][instance_id]["node_id"] == "w1"
+            and s["instances"][instance_id]["status"] == "ready", 60,
+        )  # fmt: skip
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        async with session.post(f"{gateway}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            assert (await response.json())["usage"]["completion_tokens"] == 4
+    assert detected_s < 10
+    assert not pid_alive(workers["w2"])
+
+
+async def test_an_explicit_placement_is_validated(cluster):
+    manifest, _ = cluster
+    bad = {"model": MODEL, "shards": [{"node_id": "w3", "start_layer": 0, "end_layer": 2}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{manifest.gateway_url}/instances", json=bad) as response:
+            instance_id = (await response.json())["instance_id"]
+        state = await until(session, manifest.gateway_url, lambda s: instance_id in s["instances"], 10)
+    instance = state["instances"][instance_id]
+    assert instance["status"] == "failed", instance
+    assert "w3" in instance["reason"]
