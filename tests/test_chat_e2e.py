@@ -251,6 +251,34 @@ async def test_malformed_requests_are_400_naming_the_field(chat_stack, body, par
     assert error["param"] == param
 
 
+async def test_deleting_an_instance_drains_its_requests_first(chat_stack):
+    gateway = chat_stack.gateway_url
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 300, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gateway}/state") as response:
+            instance_id = next(iter((await response.json())["instances"]))
+        async with session.post(f"{gateway}/v1/chat/completions", json=body) as stream:
+            await stream.content.readuntil(b"\n\n")  # running
+            async with session.delete(f"{gateway}/instances/{instance_id}") as response:
+                assert response.status == 202
+            frames = (await stream.read()).decode()
+        assert '"finish_reason":"length"' in frames  # it ran to the end, not cut off
+        for _ in range(100):
+            async with session.get(f"{gateway}/state") as response:
+                if instance_id not in (await response.json())["instances"]:
+                    break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the drained instance was never deleted")
+        async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
+            assert response.status == 202
+        for _ in range(600):
+            async with session.get(f"{gateway}/v1/models") as response:
+                if (await response.json())["data"]:
+                    break
+            await asyncio.sleep(0.1)
+
+
 async def test_model_without_ready_instance_is_503(chat_stack):
     async with aiohttp.ClientSession() as session:
         gateway = chat_stack.gateway_url

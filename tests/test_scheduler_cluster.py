@@ -7,6 +7,7 @@ report (FLEET_NODE_MEMORY_BYTES, FLEET_NODE_ENGINES) so placement can be exercis
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from fleet_bus import Bus
 from fleet_local import stack
 from fleet_local.processes import free_port, pid_alive, spawn, stop_pid
 from tests.support import MESSAGES, MODEL, make_chat_model
@@ -124,6 +126,19 @@ async def test_placement_previews_show_every_option_with_reasons(cluster):
 async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(cluster):
     manifest, workers = cluster
     gateway = manifest.gateway_url
+    bus = await Bus.connect(manifest.nats_url, "lifecycle-watcher")
+    seen: list[str] = []
+    instance_id = ""
+
+    async def record(msg) -> None:
+        event = json.loads(msg.data)
+        if instance_id and instance_id in (
+            event.get("instance_id"),
+            event.get("instance", {}).get("instance_id"),
+        ):
+            seen.append(event.get("status") or event["kind"])
+
+    sub = await bus.nc.subscribe("fleet.evt.>", cb=record)
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
             instance_id = (await response.json())["instance_id"]
@@ -131,6 +146,11 @@ async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(clus
             session, gateway, lambda s: s["instances"].get(instance_id, {}).get("status") == "ready", 60
         )
         assert state["instances"][instance_id]["node_id"] == "w2"
+        await sub.unsubscribe()
+        await bus.close()
+        # placed -> downloading (with progress) -> loading -> warming -> ready, each an event
+        stages = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+        assert stages == ["instance_placed", "downloading", "instance_loading", "warming", "instance_ready"]
 
         os.killpg(workers["w2"], signal.SIGKILL)  # no goodbye: only the missing heartbeats tell
         killed = time.monotonic()

@@ -81,3 +81,13 @@ def test_failed_instances_are_not_failed_again(status_event):
     state = replay([(STATE.last_seq + 1, status_event)], STATE)
     events = failover_events(state, "b", "gone", lambda s, i: i)
     assert events == [NodeLeft(node_id="b", reason="gone")]
+
+
+def test_a_draining_instance_on_a_dead_node_is_simply_deleted():
+    from fleet_proto import InstanceDeleted, InstanceStatusChanged
+
+    draining = replay(
+        [(STATE.last_seq + 1, InstanceStatusChanged(instance_id="i3", status="draining"))], STATE
+    )
+    events = failover_events(draining, "b", "gone", lambda s, i: i)
+    assert events == [NodeLeft(node_id="b", reason="gone"), InstanceDeleted(instance_id="i3")]

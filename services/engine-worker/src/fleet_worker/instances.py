@@ -19,10 +19,13 @@ from fleet_bus import Delivery, publish_chunk
 from fleet_proto import (
     GenerateTask,
     Instance,
+    InstanceDeleted,
     InstanceFailed,
     InstanceLoading,
     InstanceReady,
     InstanceStatus,
+    InstanceStatusChanged,
+    SamplingParams,
     State,
     TokenChunk,
 )
@@ -34,6 +37,8 @@ from fleet_worker.engines.base import EngineOutput, EngineRequest
 log = logging.getLogger("fleet_worker")
 DEFAULT_REVISION = "main"
 LOAD_TIMEOUT_S = 600.0
+WARMUP_TIMEOUT_S = 120.0
+DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish, then are cancelled
 
 
 def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
@@ -59,10 +64,22 @@ class RunningInstance:
         self.prompt_tokens: dict[str, int] = {}  # in-flight request -> its prompt length
         self.generated: dict[str, int] = {}  # request -> tokens so far (absent: still queued)
         self.pump: asyncio.Task[None] | None = None
+        self.warmup_id = f"warmup-{instance.instance_id}"
+        self.warmed: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
+        self.draining: asyncio.Task[None] | None = None
+        self.idle = asyncio.Event()  # set while no request is in flight
+        self.idle.set()
+
+    def start(self, request_id: str, prompt_tokens: int) -> None:
+        self.next_index[request_id] = 0
+        self.prompt_tokens[request_id] = prompt_tokens
+        self.idle.clear()
 
     def finish(self, request_id: str) -> None:
         for table in (self.next_index, self.prompt_tokens, self.generated):
             table.pop(request_id, None)
+        if not self.next_index:
+            self.idle.set()
 
     def running_tokens(self) -> int:
         return sum(self.prompt_tokens[r] + n for r, n in self.generated.items() if r in self.prompt_tokens)
@@ -115,19 +132,30 @@ class InstanceManager:
         for instance_id in list(self._running.keys() | self._loading.keys()):
             if instance_id not in wanted:  # deleted, failed, or moved to another node
                 await self._unload(instance_id)
+        for instance_id, running in self._running.items():
+            if wanted[instance_id].status == InstanceStatus.DRAINING and running.draining is None:
+                running.draining = asyncio.create_task(self._drain(running), name=f"drain-{instance_id}")
 
     async def _publish(self, event) -> None:
         await self._ctx.bus.publish_event(event)
 
     async def _load(self, instance: Instance) -> None:
         ctx, iid = self._ctx, instance.instance_id
+        engine: EngineProcess | None = None
         try:
+            await self._status(iid, InstanceStatus.DOWNLOADING, 0.0)
+            folder = await self._fetch(instance)
             await self._publish(
                 InstanceLoading(instance_id=iid, progress=0.0, origin=ctx.service_id, at=time.time())
             )
-            folder = await self._fetch(instance)
             engine = await EngineProcess.start(instance.engine, folder, {}, LOAD_TIMEOUT_S)
+            await self._status(iid, InstanceStatus.WARMING, 0.0)
+            running = RunningInstance(instance, engine)
+            running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
+            await self._warm_up(running)
         except Exception as exc:  # any failure (EngineLoadError, S3, ...) is reported, never lost
+            if engine is not None:
+                await engine.stop()
             log.exception("loading %s failed", iid)
             await self._publish(
                 InstanceFailed(instance_id=iid, reason=str(exc), origin=ctx.service_id, at=time.time())
@@ -138,11 +166,34 @@ class InstanceManager:
         if iid not in self.wanted(ctx.follower.state):  # deleted or moved while loading
             await engine.stop()
             return
-        running = RunningInstance(instance, engine)
-        running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
         self._running[iid] = running
         await self._publish(InstanceReady(instance_id=iid, origin=ctx.service_id, at=time.time()))
         log.info("instance %s of %s ready (engine pid %d)", iid, instance.model_id, engine.pid)
+
+    async def _status(self, instance_id: str, status: InstanceStatus, progress: float) -> None:
+        event = InstanceStatusChanged(instance_id=instance_id, status=status, progress=progress)
+        await self._publish(msgspec.structs.replace(event, origin=self._ctx.service_id, at=time.time()))
+
+    async def _warm_up(self, running: RunningInstance) -> None:
+        """One 1-token generation, so the first user request does not pay for lazy initialisation."""
+        running.engine.submit(
+            EngineRequest(
+                request_id=running.warmup_id, prompt_token_ids=(0,), sampling=SamplingParams(max_tokens=1)
+            )
+        )
+        output = await asyncio.wait_for(running.warmed, WARMUP_TIMEOUT_S)
+        if output.finish_reason == "error":
+            raise RuntimeError(f"warm-up failed: {output.error}")
+
+    async def _drain(self, running: RunningInstance) -> None:
+        """Let in-flight requests finish (new ones are no longer routed here), then unload and say so."""
+        iid = running.instance.instance_id
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(running.idle.wait(), DRAIN_TIMEOUT_S)
+        for request_id in list(running.next_index):
+            running.engine.cancel(request_id)
+        await self._unload(iid)
+        await self._publish(InstanceDeleted(instance_id=iid, origin=self._ctx.service_id, at=time.time()))
 
     async def _fetch(self, instance: Instance) -> Path:
         manifest = await asyncio.to_thread(
@@ -156,8 +207,8 @@ class InstanceManager:
             now = time.monotonic()
             if now - last[0] >= 0.5 and total:
                 last[0] = now
-                event = InstanceLoading(instance_id=instance.instance_id, progress=0.9 * done / total)
-                asyncio.run_coroutine_threadsafe(self._publish(event), loop)
+                update = self._status(instance.instance_id, InstanceStatus.DOWNLOADING, done / total)
+                asyncio.run_coroutine_threadsafe(update, loop)
 
         await asyncio.to_thread(fetch_model, self._store, MODELS_BUCKET, manifest, folder, progress)
         marker = folder / COMPLETE_MARKER
@@ -185,6 +236,10 @@ class InstanceManager:
     # -- requests ------------------------------------------------------------------------------
     async def _pump(self, running: RunningInstance) -> None:
         async for output in running.engine.outputs():
+            if output.request_id == running.warmup_id:
+                if output.finish_reason and not running.warmed.done():
+                    running.warmed.set_result(output)
+                continue
             index = running.next_index.get(output.request_id, 0)
             if output.finish_reason:
                 running.finish(output.request_id)
@@ -200,13 +255,12 @@ class InstanceManager:
 
     async def on_task(self, task: GenerateTask, _: Delivery) -> None:
         running = self._running.get(task.instance_id)
-        if running is None:
+        if running is None or running.draining is not None:
             error = f"instance {task.instance_id} is not running on {self._node_id}"
             chunk = TokenChunk(request_id=task.request_id, index=0, finish_reason="error", error=error)
             await publish_chunk(self._ctx.bus, chunk)
             return
-        running.next_index[task.request_id] = 0
-        running.prompt_tokens[task.request_id] = len(task.prompt_token_ids)
+        running.start(task.request_id, len(task.prompt_token_ids))
         running.engine.submit(
             EngineRequest(
                 request_id=task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling

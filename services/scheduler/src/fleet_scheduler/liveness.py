@@ -11,7 +11,15 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
-from fleet_proto import Instance, InstanceFailed, InstancePlaced, InstanceStatus, NodeLeft, State
+from fleet_proto import (
+    Instance,
+    InstanceDeleted,
+    InstanceFailed,
+    InstancePlaced,
+    InstanceStatus,
+    NodeLeft,
+    State,
+)
 from fleet_proto.events import EventBase
 
 
@@ -32,6 +40,9 @@ def failover_events(
     remaining = msgspec.structs.replace(state, nodes={k: v for k, v in state.nodes.items() if k != node_id})
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
         if instance.node_id != node_id or instance.status == InstanceStatus.FAILED:
+            continue
+        if instance.status == InstanceStatus.DRAINING:  # it was being deleted anyway
+            events.append(InstanceDeleted(instance_id=instance.instance_id))
             continue
         events.append(InstanceFailed(instance_id=instance.instance_id, reason=f"node {node_id}: {reason}"))
         try:

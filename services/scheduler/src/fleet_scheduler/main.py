@@ -25,6 +25,7 @@ from fleet_proto import (
     InstanceDeleted,
     InstancePlaced,
     InstanceStatus,
+    InstanceStatusChanged,
     NodeMetrics,
     PlacementsReply,
     PlacementsRequest,
@@ -100,10 +101,16 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
                 InstancePlaced(instance=instance, origin=ctx.service_id, at=time.time())
             )
         case DeleteInstance():
-            if command.instance_id in state.instances:
-                await ctx.bus.publish_event(
-                    InstanceDeleted(instance_id=command.instance_id, origin=ctx.service_id, at=time.time())
+            instance = state.instances.get(command.instance_id)
+            if instance is None:
+                return
+            if instance.status == InstanceStatus.FAILED or instance.node_id not in state.nodes:
+                event = InstanceDeleted(instance_id=instance.instance_id)  # nothing runs it: gone now
+            else:  # its worker stops routing to it, lets requests finish, unloads, reports deleted
+                event = InstanceStatusChanged(
+                    instance_id=instance.instance_id, status=InstanceStatus.DRAINING
                 )
+            await ctx.bus.publish_event(msgspec.structs.replace(event, origin=ctx.service_id, at=time.time()))
 
 
 async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker) -> None:
