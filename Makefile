@@ -49,6 +49,7 @@ test: install lint
 
 bench: install
 	$(BIN)/python bench/first_light.py
+	$(BIN)/python bench/route_latency.py
 
 docker:
 	docker compose build

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
+from fleet_bus.cancel import raise_if_cancelling
 from fleet_bus.connection import Bus, BusError
 from fleet_proto import TokenChunk, encode
 from fleet_proto.subjects import token_subject
@@ -66,6 +67,7 @@ class TokenStreamReader:
             try:
                 msg = await self._sub.next_msg(timeout=min(self._poll_s, self._stall_timeout_s))
             except TimeoutError:
+                raise_if_cancelling()
                 if not self._producer_alive():
                     raise StreamBroken(
                         f"the worker running request {self.request_id} stopped responding"

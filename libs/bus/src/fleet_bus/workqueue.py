@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from fleet_bus.cancel import raise_if_cancelling
 from fleet_bus.connection import Bus
 from fleet_proto import decode_command
 from fleet_proto.commands import Command
@@ -105,6 +106,7 @@ async def consume(
             try:
                 msgs = await sub.fetch(1, timeout=1.0)
             except (TimeoutError, NatsTimeoutError):
+                raise_if_cancelling()
                 continue
             for msg in msgs:
                 await _handle_one(msg, decode, handler, ack_wait_s, max_deliver)

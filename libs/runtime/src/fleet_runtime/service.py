@@ -26,6 +26,7 @@ from fleet_runtime.logs import setup_logging
 from fleet_runtime.settings import Settings, load_settings
 
 VERSION = "0.1.0"
+SHUTDOWN_TASKS_S = 5.0
 log = logging.getLogger("fleet_runtime")
 
 
@@ -67,9 +68,19 @@ class ServiceContext:
         )
 
 
+def dump_tasks() -> None:
+    """SIGUSR1: log every asyncio task with its stack, to see what a stuck service waits on."""
+    for task in asyncio.all_tasks():
+        frames = "".join(
+            f"\n  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in task.get_stack()
+        )
+        log.warning("task %s%s", task.get_name(), frames)
+
+
 async def _wait_for_stop(tasks: list[asyncio.Task[Any]]) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     stopper = asyncio.create_task(stop.wait())
@@ -113,7 +124,10 @@ async def serve(
         log.info("%s %s stopping", kind.value, ctx.service_id)
         for task in ctx._tasks:
             task.cancel()
-        await asyncio.gather(*ctx._tasks, return_exceptions=True)
+        if ctx._tasks:
+            _, stuck = await asyncio.wait(ctx._tasks, timeout=SHUTDOWN_TASKS_S)
+            for task in stuck:  # say which, and go on: closing the connections below ends them
+                log.error("task %s did not stop within %.0f s", task.get_name(), SHUTDOWN_TASKS_S)
         for cleanup in reversed(ctx._cleanups):
             with contextlib.suppress(Exception):
                 await cleanup()

@@ -29,6 +29,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KeyValue
 
 from fleet_bus import Bus
+from fleet_bus.cancel import raise_if_cancelling
 from fleet_bus.streams import LEADER_TTL_S
 from fleet_proto.subjects import LEADER_BUCKET
 
@@ -206,6 +207,7 @@ class LeaderLease:
                     kv = await self._bus.js.key_value(LEADER_BUCKET)
                     bucket_ttl = (await kv.status()).ttl
             except (*_NATS_TROUBLE, BucketNotFoundError) as exc:
+                raise_if_cancelling()
                 if not warned:
                     log.warning("leader bucket %s not available yet: %s", LEADER_BUCKET, exc or type(exc))
                     warned = True
@@ -242,6 +244,7 @@ class LeaderLease:
                     except KeyWrongLastSequenceError:
                         revision, payload = await self._adopt(kv)
             except _NATS_TROUBLE as exc:
+                raise_if_cancelling()
                 if not warned:
                     log.warning("cannot reach the leader lease: %s", exc or type(exc))
                     warned = True
@@ -297,6 +300,7 @@ class LeaderLease:
                 self._lose()
                 return
             except _NATS_TROUBLE as exc:
+                raise_if_cancelling()
                 log.warning("renewing the leader lease failed, retrying: %s", exc or type(exc))
                 wait = min(self.retry_every_s, self.renew_every_s)
                 continue
