@@ -251,6 +251,27 @@ async def test_malformed_requests_are_400_naming_the_field(chat_stack, body, par
     assert error["param"] == param
 
 
+async def until_deleted(session: aiohttp.ClientSession, gateway: str, instance_id: str) -> None:
+    for _ in range(100):
+        async with session.get(f"{gateway}/state") as response:
+            if instance_id not in (await response.json())["instances"]:
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"instance {instance_id} was never deleted")
+
+
+async def recreate_instance(session: aiohttp.ClientSession, gateway: str) -> None:
+    """A new instance of the model, ready, for the tests that follow."""
+    async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
+        assert response.status == 202
+    for _ in range(600):
+        async with session.get(f"{gateway}/v1/models") as response:
+            if (await response.json())["data"]:
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the new instance never became ready")
+
+
 async def test_deleting_an_instance_drains_its_requests_first(chat_stack):
     gateway = chat_stack.gateway_url
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 300, "temperature": 0, "stream": True}
@@ -263,20 +284,8 @@ async def test_deleting_an_instance_drains_its_requests_first(chat_stack):
                 assert response.status == 202
             frames = (await stream.read()).decode()
         assert '"finish_reason":"length"' in frames  # it ran to the end, not cut off
-        for _ in range(100):
-            async with session.get(f"{gateway}/state") as response:
-                if instance_id not in (await response.json())["instances"]:
-                    break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the drained instance was never deleted")
-        async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
-            assert response.status == 202
-        for _ in range(600):
-            async with session.get(f"{gateway}/v1/models") as response:
-                if (await response.json())["data"]:
-                    break
-            await asyncio.sleep(0.1)
+        await until_deleted(session, gateway, instance_id)
+        await recreate_instance(session, gateway)
 
 
 async def test_model_without_ready_instance_is_503(chat_stack):
@@ -286,22 +295,12 @@ async def test_model_without_ready_instance_is_503(chat_stack):
             instance_id = next(iter((await response.json())["instances"]))
         async with session.delete(f"{gateway}/instances/{instance_id}") as response:
             assert response.status == 202
-        for _ in range(100):
-            async with session.get(f"{gateway}/state") as response:
-                if not (await response.json())["instances"]:
-                    break
-            await asyncio.sleep(0.1)
+        await until_deleted(session, gateway, instance_id)
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
         async with session.post(f"{gateway}/v1/chat/completions", json=body) as response:
             assert response.status == 503
             assert "no ready instance" in (await response.json())["error"]["message"]
-        async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
-            assert response.status == 202
-        for _ in range(600):
-            async with session.get(f"{gateway}/v1/models") as response:
-                if (await response.json())["data"]:
-                    break
-            await asyncio.sleep(0.1)
+        await recreate_instance(session, gateway)
 
 
 async def test_worker_dying_mid_stream_ends_the_stream_with_an_error(chat_stack):
