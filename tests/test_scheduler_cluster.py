@@ -178,3 +178,31 @@ async def test_an_explicit_placement_is_validated(cluster):
     instance = state["instances"][instance_id]
     assert instance["status"] == "failed", instance
     assert "w3" in instance["reason"]
+
+
+async def test_deleting_a_model_removes_it_from_storage_and_worker_caches(cluster):
+    manifest, _ = cluster
+    gateway = manifest.gateway_url
+    cached = Path(manifest.state_dir) / "models" / MODEL  # w1 ran the model after the failover
+    assert cached.is_dir()
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gateway}/state") as response:
+            instances = (await response.json())["instances"]
+        for instance_id in instances:
+            async with session.delete(f"{gateway}/instances/{instance_id}") as response:
+                assert response.status == 202
+        await until(session, gateway, lambda s: not s["instances"], 30)
+        async with session.delete(f"{gateway}/downloads/{MODEL}") as response:
+            assert response.status == 202
+        await until(session, gateway, lambda s: MODEL not in s["models"] and MODEL not in s["downloads"], 30)
+        async with session.get(f"{gateway}/downloads") as response:
+            assert MODEL not in await response.json()
+        async with session.get(f"{gateway}/placements", params={"model": MODEL}) as response:
+            assert response.status == 404  # not staged any more
+        async with session.delete(f"{gateway}/downloads/{MODEL}") as response:
+            assert response.status == 404
+    for _ in range(50):
+        if not cached.exists():
+            break
+        await asyncio.sleep(0.1)
+    assert not cached.exists()

@@ -231,3 +231,25 @@ async def test_token_stream_ends_within_seconds_when_the_producer_is_dead(fresh_
         await reader.close()
     finally:
         await bus.close()
+
+
+async def test_kv_lock_admits_one_holder_at_a_time(fresh_nats):
+    from fleet_bus import kv_lock
+    from fleet_bus.locks import lock_key
+
+    a, b = await connected(fresh_nats.url, "a"), await connected(fresh_nats.url, "b")
+    order: list[str] = []
+
+    async def hold(bus: Bus, who: str) -> None:
+        async with kv_lock(bus, "org/model", who, retry_every_s=0.05):
+            order.append(f"{who} in")
+            await asyncio.sleep(0.3)
+            order.append(f"{who} out")
+
+    try:
+        await asyncio.gather(hold(a, "a"), hold(b, "b"))
+        assert order in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
+        assert lock_key("org/model") == lock_key("org/model") != lock_key("org_model")
+    finally:
+        await a.close()
+        await b.close()

@@ -27,3 +27,15 @@ def test_failure_reason_is_the_message_for_source_errors_and_typed_otherwise():
     assert failure_reason(SourceError("pkg:x: not installed")) == "pkg:x: not installed"
     assert failure_reason(OSError("disk full")) == "OSError: disk full"
     assert len(failure_reason(RuntimeError("x" * 10_000))) == 2000
+
+
+def test_transfer_rate_and_eta():
+    from fleet_downloader.progress import TransferRate, eta_seconds
+
+    rate = TransferRate(smoothing=1.0)
+    assert rate.update(DownloadPhase.UPLOADING, 0, 10.0) == 0.0
+    assert rate.update(DownloadPhase.UPLOADING, 100, 11.0) == 100.0
+    assert rate.update(DownloadPhase.CONVERTING, 0, 12.0) == 0.0  # a new phase starts over
+    assert eta_seconds(100, 300, 50.0) == 4.0
+    assert eta_seconds(0, 300, 0.0) == -1.0
+    assert eta_seconds(300, 300, 0.0) == 0.0

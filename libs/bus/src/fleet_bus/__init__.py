@@ -2,6 +2,7 @@
 
 from fleet_bus.connection import Bus, BusError, BusUnavailable, RequestFailed
 from fleet_bus.follower import StateFollower
+from fleet_bus.locks import kv_lock
 from fleet_bus.streams import ensure_streams
 from fleet_bus.tokens import StreamBroken, TokenStreamReader, publish_chunk
 from fleet_bus.workqueue import Delivery, consume, consume_commands, consume_tasks
@@ -19,5 +20,6 @@ __all__ = [
     "consume_commands",
     "consume_tasks",
     "ensure_streams",
+    "kv_lock",
     "publish_chunk",
 ]

@@ -7,12 +7,15 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import KV_STREAM_TEMPLATE
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from fleet_proto.subjects import KV_BUCKETS, LEADER_BUCKET, STREAMS, Retention, StreamSpec
+from fleet_proto.subjects import KV_BUCKETS, LEADER_BUCKET, LOCKS_BUCKET, STREAMS, Retention, StreamSpec
 
 _RETENTION = {Retention.WORK_QUEUE: RetentionPolicy.WORK_QUEUE, Retention.LIMITS: RetentionPolicy.LIMITS}
 # The leader lease expires unless renewed, so a dead scheduler's lease frees itself: a follower takes
 # over about this long (plus its retry interval) after the leader died without releasing.
 LEADER_TTL_S = 3.0
+# Locks (fleet_bus.locks) are renewed by their holder; a crashed holder's lock frees itself after this.
+LOCK_TTL_S = 30.0
+BUCKET_TTLS = {LEADER_BUCKET: LEADER_TTL_S, LOCKS_BUCKET: LOCK_TTL_S}
 
 
 def stream_config(spec: StreamSpec) -> StreamConfig:
@@ -41,11 +44,10 @@ async def ensure_streams(js: JetStreamContext) -> None:
         try:
             await js.key_value(bucket)
         except BucketNotFoundError:
-            ttl = LEADER_TTL_S if bucket == LEADER_BUCKET else None
-            await js.create_key_value(bucket=bucket, history=1, ttl=ttl)
+            await js.create_key_value(bucket=bucket, history=1, ttl=BUCKET_TTLS.get(bucket))
         else:
-            if bucket == LEADER_BUCKET:
-                await _ensure_bucket_ttl(js, bucket, LEADER_TTL_S)
+            if bucket in BUCKET_TTLS:
+                await _ensure_bucket_ttl(js, bucket, BUCKET_TTLS[bucket])
 
 
 async def _ensure_bucket_ttl(js: JetStreamContext, bucket: str, ttl_s: float) -> None:

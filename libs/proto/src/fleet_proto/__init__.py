@@ -2,7 +2,7 @@
 
 from fleet_proto.apply import EventOrderError, UnknownEventError, apply, replay
 from fleet_proto.codec import UnknownCommandError, decode, decode_command, decode_event, encode
-from fleet_proto.commands import Command, CreateInstance, DeleteInstance, DownloadModel
+from fleet_proto.commands import Command, CreateInstance, DeleteInstance, DeleteModel, DownloadModel
 from fleet_proto.common import (
     DownloadPhase,
     DownloadStatus,
@@ -26,6 +26,7 @@ from fleet_proto.events import (
     InstancePlaced,
     InstanceReady,
     InstanceStatusChanged,
+    ModelDeleted,
     ModelStaged,
     NodeJoined,
     NodeLeft,
@@ -52,6 +53,7 @@ __all__ = [
     "Command",
     "CreateInstance",
     "DeleteInstance",
+    "DeleteModel",
     "DownloadModel",
     "DownloadPhase",
     "DownloadProgressed",
@@ -70,6 +72,7 @@ __all__ = [
     "InstanceStatus",
     "InstanceStatusChanged",
     "ModelCard",
+    "ModelDeleted",
     "ModelStaged",
     "NodeInfo",
     "NodeJoined",

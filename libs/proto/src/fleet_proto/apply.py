@@ -22,6 +22,7 @@ from fleet_proto.events import (
     InstancePlaced,
     InstanceReady,
     InstanceStatusChanged,
+    ModelDeleted,
     ModelStaged,
     NodeJoined,
     NodeLeft,
@@ -90,12 +91,22 @@ def _apply_download_progressed(state: State, event: DownloadProgressed) -> State
         done_bytes=event.done_bytes,
         total_bytes=event.total_bytes,
         reason=event.reason,
+        bytes_per_s=event.bytes_per_s,
+        eta_s=event.eta_s,
     )
     return msgspec.structs.replace(state, downloads=_with(state.downloads, event.model_id, status))
 
 
 def _apply_model_staged(state: State, event: ModelStaged) -> State:
     return msgspec.structs.replace(state, models=_with(state.models, event.card.model_id, event.card))
+
+
+def _apply_model_deleted(state: State, event: ModelDeleted) -> State:
+    return msgspec.structs.replace(
+        state,
+        models=_without(state.models, event.model_id),
+        downloads=_without(state.downloads, event.model_id),
+    )
 
 
 def _dispatch(state: State, event: Event) -> State:
@@ -126,6 +137,8 @@ def _dispatch(state: State, event: Event) -> State:
             return _apply_download_progressed(state, event)
         case ModelStaged():
             return _apply_model_staged(state, event)
+        case ModelDeleted():
+            return _apply_model_deleted(state, event)
         case InstanceStatusChanged():
             try:
                 status = InstanceStatus(event.status)

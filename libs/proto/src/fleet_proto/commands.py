@@ -36,5 +36,11 @@ class DownloadModel(CommandBase, tag="download_model"):
     source: str  # hf repo id, file:///dir, gguf:///file, or pkg:<package>
 
 
-Command = CreateInstance | DeleteInstance | DownloadModel
-COMMAND_TYPES: tuple[type[CommandBase], ...] = (CreateInstance, DeleteInstance, DownloadModel)
+class DeleteModel(CommandBase, tag="delete_model"):
+    """Remove a model from object storage and from the workers' caches (the downloader runs it)."""
+
+    model_id: str
+
+
+Command = CreateInstance | DeleteInstance | DownloadModel | DeleteModel
+COMMAND_TYPES: tuple[type[CommandBase], ...] = (CreateInstance, DeleteInstance, DownloadModel, DeleteModel)

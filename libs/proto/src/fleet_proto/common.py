@@ -112,6 +112,8 @@ class DownloadStatus(Frozen):
     done_bytes: int = 0
     total_bytes: int = 0
     reason: str = ""
+    bytes_per_s: float = 0.0
+    eta_s: float = -1.0
 
 
 class ModelCard(Frozen):

@@ -77,12 +77,20 @@ class DownloadProgressed(EventBase, tag="download_progressed"):
     done_bytes: int = 0
     total_bytes: int = 0
     reason: str = ""
+    bytes_per_s: float = 0.0
+    eta_s: float = -1.0  # -1: unknown
 
 
 class ModelStaged(EventBase, tag="model_staged"):
     """A model is completely staged in object storage; its card says what placement needs."""
 
     card: ModelCard
+
+
+class ModelDeleted(EventBase, tag="model_deleted"):
+    """A model was removed from object storage; workers drop their copies once no instance uses them."""
+
+    model_id: str
 
 
 class InstanceStatusChanged(EventBase, tag="instance_status_changed"):
@@ -105,6 +113,7 @@ Event = (
     | InstanceDeleted
     | DownloadProgressed
     | ModelStaged
+    | ModelDeleted
     | InstanceStatusChanged
 )
 EVENT_TYPES: tuple[type[EventBase], ...] = (
@@ -119,5 +128,6 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     InstanceDeleted,
     DownloadProgressed,
     ModelStaged,
+    ModelDeleted,
     InstanceStatusChanged,
 )

@@ -74,7 +74,8 @@ STREAMS: tuple[StreamSpec, ...] = (CMD_STREAM, EVT_STREAM, TASK_STREAM)
 
 LEADER_BUCKET = "fleet-leader"
 STATE_BUCKET = "fleet-state"
-KV_BUCKETS: tuple[str, ...] = (LEADER_BUCKET, STATE_BUCKET)
+LOCKS_BUCKET = "fleet-locks"
+KV_BUCKETS: tuple[str, ...] = (LEADER_BUCKET, STATE_BUCKET, LOCKS_BUCKET)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 

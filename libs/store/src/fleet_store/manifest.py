@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -15,6 +16,7 @@ import msgspec
 
 from fleet_store.client import ObjectStore
 from fleet_store.hashing import Progress, sha256_file
+from fleet_store.layers import folder_weight_layers
 
 MANIFEST_NAME = "manifest.json"
 
@@ -35,6 +37,10 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
     source: str
     """Where the files came from (a hub id, a local folder, a GGUF file ...)."""
+    weight_layers: dict[str, list[int]] = {}
+    """Per *.safetensors file: [first_layer, end_layer) of the transformer layers it holds, or [] when
+    it holds tensors every shard needs (embeddings, norms, lm_head). See fleet_store.layers; {} in
+    manifests written before it existed, and for models without safetensors: every shard needs every file."""
 
     @property
     def total_size(self) -> int:
@@ -119,6 +125,7 @@ def build_manifest(model_id: str, revision: str, folder: str | Path, source: str
         config=config,
         created_at=time.time(),
         source=source,
+        weight_layers=folder_weight_layers(folder, (file.path for file in files)),
     )
 
 
@@ -177,16 +184,27 @@ def fetch_model(
     manifest: ModelManifest,
     dest_folder: str | Path,
     progress: Progress | None = None,
+    *,
+    only: Collection[str] | None = None,
 ) -> FetchResult:
-    """Download every file of the manifest into dest_folder, each verified against the manifest.
+    """Download every file of the manifest (or only those paths of it) into dest_folder, each
+    verified against the manifest.
 
-    Files already present with the right size and sha256 are skipped.
+    Files already present with the right size and sha256 are skipped. A path in `only` that the
+    manifest does not list is a ValueError (nothing is downloaded then).
     """
     dest_folder = Path(dest_folder)
-    total, done = manifest.total_size, 0
+    files = manifest.files
+    if only is not None:
+        wanted = set(only)
+        unknown = wanted - {file.path for file in files}
+        if unknown:
+            raise ValueError(f"{manifest.model_id}/{manifest.revision} has no files {sorted(unknown)}")
+        files = tuple(file for file in files if file.path in wanted)
+    total, done = sum(file.size for file in files), 0
     downloaded: list[str] = []
     skipped: list[str] = []
-    for file in manifest.files:
+    for file in files:
         key = file_key(manifest.model_id, manifest.revision, file.path)  # also rejects traversal
         local = dest_folder / file.path
         if local_file_matches(local, file):

@@ -1,10 +1,11 @@
 """Downloader service: owns the object-storage buckets and stages models into them.
 
-It consumes DownloadModel commands and publishes DownloadProgressed events (converting, uploading,
-then done or failed). Before "done" it publishes ModelStaged with the model's card, so whoever sees
-"done" finds the card in State. A command is acked only after its final event is published; a failure
-(including a staged model whose config.json yields no card) is reported as phase FAILED and acked,
-since a bad source would only fail again on redelivery.
+It consumes DownloadModel commands and publishes DownloadProgressed events (downloading, converting,
+uploading with speed and ETA, then done or failed), and DeleteModel commands (ModelDeleted). Before
+"done" it publishes ModelStaged with the model's card, so whoever sees "done" finds the card in State.
+A command is acked only after its final event is published; a failure (including a staged model whose
+config.json yields no card) is reported as phase FAILED and acked, since a bad source would only fail
+again on redelivery. Commands for one model are serialised across replicas by a KV lock.
 """
 
 from __future__ import annotations
@@ -16,21 +17,23 @@ import threading
 import time
 from pathlib import Path
 
-from fleet_bus import Bus, Delivery, consume_commands
-from fleet_downloader.progress import MIN_INTERVAL_S, Throttle
+from fleet_bus import Bus, Delivery, consume_commands, kv_lock
+from fleet_downloader.progress import MIN_INTERVAL_S, Throttle, TransferRate, eta_seconds
 from fleet_downloader.sources import SourceError
 from fleet_downloader.staging import stage_model_with_card
 from fleet_proto import (
     Command,
+    DeleteModel,
     DownloadModel,
     DownloadPhase,
     DownloadProgressed,
     ModelCard,
+    ModelDeleted,
     ModelStaged,
     ServiceKind,
 )
 from fleet_runtime.service import ServiceContext, run
-from fleet_store import ObjectStore, ensure_buckets
+from fleet_store import MODELS_BUCKET, ObjectStore, ensure_buckets
 
 log = logging.getLogger("fleet_downloader")
 CONSUMER = "downloader"
@@ -59,17 +62,21 @@ class ProgressPublisher:
         self.origin = origin
         self.cancelled = threading.Event()
         self._throttle = Throttle(min_interval_s)
+        self._rate = TransferRate()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[DownloadProgressed | None] = asyncio.Queue()
         self._task = asyncio.create_task(self._publish_all(), name=f"progress-{model_id}")
 
     def _event(self, phase: DownloadPhase, done: int, total: int, reason: str = "") -> DownloadProgressed:
+        bytes_per_s = self._rate.update(phase, done, time.monotonic())
         return DownloadProgressed(
             model_id=self.model_id,
             phase=phase,
             done_bytes=done,
             total_bytes=total,
             reason=reason,
+            bytes_per_s=bytes_per_s,
+            eta_s=eta_seconds(done, total, bytes_per_s),
             origin=self.origin,
             at=time.time(),
         )
@@ -117,9 +124,27 @@ class Downloader:
         self.origin = origin
 
     async def handle(self, command: Command, delivery: Delivery) -> None:
-        if not isinstance(command, DownloadModel):  # the consumer filters on DownloadModel only
-            log.warning("ignoring %s: not a DownloadModel", type(command).__name__)
-            return
+        match command:
+            case DownloadModel():
+                # replicas share the work queue; the lock keeps two commands for one model apart, and
+                # the second then finds the model staged
+                async with kv_lock(self.bus, f"stage/{command.model_id}", self.origin):
+                    await self.stage(command, delivery)
+            case DeleteModel():
+                async with kv_lock(self.bus, f"stage/{command.model_id}", self.origin):
+                    await self.delete(command)
+            case _:
+                log.warning("ignoring %s", type(command).__name__)
+
+    async def delete(self, command: DeleteModel) -> None:
+        """Remove every revision of the model from object storage, then tell the workers."""
+        removed = await asyncio.to_thread(self.store.delete_prefix, MODELS_BUCKET, f"{command.model_id}/")
+        await self.bus.publish_event(
+            ModelDeleted(model_id=command.model_id, origin=self.origin, at=time.time())
+        )
+        log.info("deleted %s (%d objects)", command.model_id, removed)
+
+    async def stage(self, command: DownloadModel, delivery: Delivery) -> None:
         log.info(
             "staging %s from %s (command %s, attempt %d)",
             command.model_id,
@@ -150,7 +175,7 @@ class Downloader:
 
     async def run(self) -> None:
         """Consume DownloadModel commands until cancelled."""
-        await consume_commands(self.bus, CONSUMER, (DownloadModel,), self.handle)
+        await consume_commands(self.bus, CONSUMER, (DownloadModel, DeleteModel), self.handle)
 
 
 async def main(ctx: ServiceContext) -> None:

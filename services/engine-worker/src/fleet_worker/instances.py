@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -228,6 +229,17 @@ class InstanceManager:
         if running.pump is not None:
             await asyncio.gather(running.pump, return_exceptions=True)
         log.info("instance %s unloaded", instance_id)
+
+    async def remove_model(self, model_id: str) -> None:
+        """Drop the local copy of a deleted model, unless an instance here still runs it (then it
+        goes when that instance is deleted and the model is deleted again, or by cache eviction)."""
+        in_use = {r.instance.model_id for r in self._running.values()}
+        folder = self._model_root / model_id
+        if model_id in in_use or not folder.is_dir():
+            return
+        await asyncio.to_thread(shutil.rmtree, folder, True)
+        log.info("removed the local copy of deleted model %s", model_id)
+        await self._on_models_changed()
 
     async def close(self) -> None:
         for instance_id in list(self._running.keys() | self._loading.keys()):

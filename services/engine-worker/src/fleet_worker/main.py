@@ -14,7 +14,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from fleet_bus import consume_tasks
-from fleet_proto import CancelRequest, GenerateTask, NodeJoined, NodeLeft, ServiceKind
+from fleet_proto import CancelRequest, GenerateTask, ModelDeleted, NodeJoined, NodeLeft, ServiceKind
 from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
@@ -42,8 +42,10 @@ async def publish_metrics(
 async def follow_assignments(ctx: ServiceContext, manager: InstanceManager) -> None:
     async with ctx.follower.listen() as live:
         await manager.reconcile(ctx.follower.state)
-        async for _ in live:
+        async for _, event in live:
             await manager.reconcile(ctx.follower.state)
+            if isinstance(event, ModelDeleted):
+                await manager.remove_model(event.model_id)
 
 
 async def main(ctx: ServiceContext) -> None:

@@ -16,6 +16,7 @@ from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_proto import (
     CreateInstance,
     DeleteInstance,
+    DeleteModel,
     DownloadModel,
     PlacementsReply,
     PlacementsRequest,
@@ -65,6 +66,23 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
         command = DownloadModel(command_id=_new_id("cmd"), model_id=body.model, source=body.source)
         await bus.publish_command(command)
         return web.json_response({"model": body.model, "command_id": command.command_id}, status=202)
+
+    async def list_downloads(_: web.Request) -> web.Response:
+        state = follower.state
+        body = {
+            model_id: {"status": state.downloads.get(model_id), "card": state.models.get(model_id)}
+            for model_id in sorted(state.downloads.keys() | state.models.keys())
+        }
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+    async def delete_download(request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        state = follower.state
+        if model not in state.downloads and model not in state.models:
+            raise ApiError(404, f"no model {model!r} is staged", param="model")
+        await bus.publish_command(DeleteModel(command_id=_new_id("cmd"), model_id=model))
+        in_use = sorted(i.instance_id for i in state.instances.values() if i.model_id == model)
+        return web.json_response({"model": model, "deleted": True, "still_used_by": in_use}, status=202)
 
     async def create_instance(request: web.Request) -> web.Response:
         body = decode_json_body(await request.read(), CreateInstanceBody)
@@ -118,6 +136,9 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
 
     return [
         web.post("/models", stage_model),
+        web.post("/downloads", stage_model),
+        web.get("/downloads", list_downloads),
+        web.delete("/downloads/{model:.+}", delete_download),
         web.post("/instances", create_instance),
         web.get("/instances", list_instances),
         web.get("/placements", placements),
