@@ -135,3 +135,15 @@ def test_a_service_without_nats_exits_with_a_clear_message(tmp_path):
     assert result.returncode == 1
     assert f"cannot reach NATS at {dead}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_fleet_pull_stages_a_model_with_a_progress_bar(running_stack, tmp_path):
+    from tests.support import MODEL, make_chat_model
+
+    folder = make_chat_model(tmp_path / "model")
+    result = fleet("pull", MODEL, "--source", f"file://{folder}", "--state-dir", running_stack.state_dir)
+    assert result.returncode == 0, result.stderr
+    assert MODEL in result.stderr and "done" in result.stderr  # tqdm draws on stderr
+    bad = fleet("pull", "x/y", "--source", "file:///no/such/dir", "--state-dir", running_stack.state_dir)
+    assert bad.returncode == 1
+    assert "failed" in bad.stderr

