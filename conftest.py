@@ -5,12 +5,18 @@ One of each per test session, started with the same launchers `fleet up` uses, s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fleet_local.servers import ServerHandle, start_nats, start_redis, start_s3
+
+# No test talks to a real model hub: hub sources point at a closed local port unless a test starts
+# its own fake hub (services/downloader/tests/fake_hub.py). Child processes inherit this.
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
 
 @pytest.fixture(scope="session")

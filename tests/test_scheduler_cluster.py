@@ -127,16 +127,10 @@ async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(clus
     manifest, workers = cluster
     gateway = manifest.gateway_url
     bus = await Bus.connect(manifest.nats_url, "lifecycle-watcher")
-    seen: list[str] = []
-    instance_id = ""
+    events: list[dict] = []
 
     async def record(msg) -> None:
-        event = json.loads(msg.data)
-        if instance_id and instance_id in (
-            event.get("instance_id"),
-            event.get("instance", {}).get("instance_id"),
-        ):
-            seen.append(event.get("status") or event["kind"])
+        events.append(json.loads(msg.data))
 
     sub = await bus.nc.subscribe("fleet.evt.>", cb=record)
     async with aiohttp.ClientSession() as session:
@@ -148,6 +142,12 @@ async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(clus
         assert state["instances"][instance_id]["node_id"] == "w2"
         await sub.unsubscribe()
         await bus.close()
+        mine = [
+            e
+            for e in events
+            if instance_id in (e.get("instance_id"), e.get("instance", {}).get("instance_id"))
+        ]
+        seen = [e.get("status") or e["kind"] for e in mine]
         # placed -> downloading (with progress) -> loading -> warming -> ready, each an event
         stages = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
         assert stages == ["instance_placed", "downloading", "instance_loading", "warming", "instance_ready"]
@@ -183,7 +183,7 @@ async def test_an_explicit_placement_is_validated(cluster):
 async def test_deleting_a_model_removes_it_from_storage_and_worker_caches(cluster):
     manifest, _ = cluster
     gateway = manifest.gateway_url
-    cached = Path(manifest.state_dir) / "models" / MODEL  # w1 ran the model after the failover
+    cached = Path(manifest.state_dir) / "models" / MODEL / "main"  # w1 ran it after the failover
     assert cached.is_dir()
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{gateway}/state") as response:

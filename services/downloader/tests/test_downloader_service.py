@@ -198,7 +198,7 @@ async def test_bad_sources_end_in_failed_with_a_reason_and_are_not_redelivered(f
             "gguf:///nonexistent/model.gguf",
             "GGUF file /nonexistent/model.gguf does not exist",
         ),
-        unique_model_id(): ("org/model@main", "fetching from the Hugging Face hub is not supported yet"),
+        unique_model_id(): ("org/model@main", "cannot reach the hub"),
         unique_model_id(): ("pkg:fleet-no-such-package", "'fleet-no-such-package' is not installed"),
     }
     try:

@@ -85,10 +85,10 @@ def test_unknown_scheme_is_unsupported_and_lists_the_forms():
     assert "pkg:<package>" in str(caught.value)
 
 
-def test_hub_repo_is_recognised_but_not_fetched_yet():
+def test_hub_repo_is_recognised_and_downloaded_not_located():
     source = parse_source("HuggingFaceTB/SmolLM2-135M-Instruct@main")
     assert source_kind(source) == "hub"
-    with pytest.raises(UnsupportedSource, match=r"not supported yet \(issue 5\)"):
+    with pytest.raises(UnsupportedSource, match="has no local files to locate"):
         locate(source)
 
 

@@ -14,7 +14,7 @@ _RETENTION = {Retention.WORK_QUEUE: RetentionPolicy.WORK_QUEUE, Retention.LIMITS
 # over about this long (plus its retry interval) after the leader died without releasing.
 LEADER_TTL_S = 3.0
 # Locks (fleet_bus.locks) are renewed by their holder; a crashed holder's lock frees itself after this.
-LOCK_TTL_S = 30.0
+LOCK_TTL_S = 15.0
 BUCKET_TTLS = {LEADER_BUCKET: LEADER_TTL_S, LOCKS_BUCKET: LOCK_TTL_S}
 
 

@@ -41,6 +41,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_memory_bytes: int = 0
     node_engines: str = ""
     node_kind: str = ""
+    # The engine-worker's local model cache: least recently used models are evicted beyond it (0: no limit).
+    model_cache_bytes: int = 0
+    # A command whose consumer died unacked is redelivered after this (a live one renews it).
+    command_ack_wait_s: float = 30.0
     # The scheduler times out a node whose metrics have been missing this long.
     node_timeout_s: float = 5.0
     state_dir: str = ".fleet"

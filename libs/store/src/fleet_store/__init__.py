@@ -29,6 +29,7 @@ from fleet_store.manifest import (
     model_prefix,
     stage_folder,
 )
+from fleet_store.resumable import UploadResult, abandon_stale_uploads, put_file_resumable
 
 __all__ = [
     "ALL_BUCKETS",
@@ -49,6 +50,8 @@ __all__ = [
     "StoreAuthError",
     "StoreError",
     "StoreUnavailable",
+    "UploadResult",
+    "abandon_stale_uploads",
     "base_model_name",
     "build_manifest",
     "ensure_buckets",
@@ -59,6 +62,7 @@ __all__ = [
     "model_card",
     "model_prefix",
     "publisher_of",
+    "put_file_resumable",
     "sha256_file",
     "stage_folder",
 ]

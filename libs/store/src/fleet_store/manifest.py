@@ -6,6 +6,7 @@ The manifest is uploaded last, so its presence means every file it lists is stor
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Collection
@@ -17,8 +18,11 @@ import msgspec
 from fleet_store.client import ObjectStore
 from fleet_store.hashing import Progress, sha256_file
 from fleet_store.layers import folder_weight_layers
+from fleet_store.resumable import put_file_resumable
 
 MANIFEST_NAME = "manifest.json"
+
+log = logging.getLogger("fleet_store")
 
 
 class ManifestFile(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,10 +155,13 @@ def stage_folder(
     folder: str | Path,
     source: str,
     progress: Progress | None = None,
+    journal_dir: str | Path | None = None,
 ) -> ModelManifest:
     """Upload a model folder, then its manifest (last: the manifest marks the model complete).
 
-    Files already stored with the same size and sha256 are not uploaded again.
+    Files already stored with the same size and sha256 are not uploaded again. With a journal_dir,
+    each file goes up as a resumable multipart upload: a stager that crashed and runs again with the
+    same journal_dir re-sends only the parts the server does not hold.
     """
     folder = Path(folder)
     manifest = build_manifest(model_id, revision, folder, source)
@@ -163,9 +170,21 @@ def stage_folder(
         key = file_key(model_id, revision, file.path)
         stored = store.stat(bucket, key)
         if stored is None or stored.size != file.size or stored.sha256 != file.sha256:
-            store.put_file(
-                bucket, key, folder / file.path, progress=_overall(progress, done, total), sha256=file.sha256
-            )
+            file_progress = _overall(progress, done, total)
+            if journal_dir is None:
+                store.put_file(bucket, key, folder / file.path, progress=file_progress, sha256=file.sha256)
+            else:
+                path = folder / file.path
+                result = put_file_resumable(
+                    store, bucket, key, path, journal_dir, sha256=file.sha256, progress=file_progress
+                )
+                if result.resumed:
+                    log.info(
+                        "resumed %s: %d bytes reused, %d uploaded",
+                        key,
+                        result.skipped_bytes,
+                        result.uploaded_bytes,
+                    )
         done += file.size
         if progress is not None:
             progress(done, total)

@@ -1,15 +1,13 @@
 """Resumable multipart uploads: a restarted process continues an interrupted upload.
 
-A journal file, journal_dir/<sha256 of "bucket/key">.json, remembers the upload in flight; the
-server's ListParts says which parts it already holds. A held part is reused only when its ETag is
-the MD5 of the local bytes (S3 part ETags are the hex MD5 of an unencrypted part: SeaweedFS and MinIO
-do this), and CompleteMultipartUpload names every part by that ETag, so the object is assembled from
-exactly the local bytes. Parts go up with Content-MD5 (the server rejects a damaged body); the file's
-sha256 is recomputed from the bytes actually read and must match before the upload is completed;
-the completed object's size and sha256 metadata are checked after. No corrupt object stays behind.
+A journal, journal_dir/<sha256 of "bucket/key">.json, names the upload in flight; the server's
+ListParts says which parts it holds. A held part is reused only if its ETag is the MD5 of the local
+bytes (S3 part ETags are the hex MD5 of an unencrypted part; SeaweedFS and MinIO do this), and
+CompleteMultipartUpload names each part by that ETag, so the object is assembled from exactly the
+local bytes. Parts go up with Content-MD5 (the server rejects a damaged body); the sha256 of the bytes
+read must match before completing; the completed object's size and sha256 metadata are checked after.
 
-minio has no public multipart API: _Multipart wraps its private primitives and is their only user
-(tests/test_resumable.py pins their signatures, so an SDK upgrade that changes them fails there).
+_Multipart is the only user of minio's private multipart primitives (tests pin their signatures).
 """
 
 from __future__ import annotations
@@ -94,24 +92,18 @@ def decode_journal(data: bytes) -> UploadJournal | None:
         return None
 
 
-def journal_matches(journal: UploadJournal, bucket: str, key: str, size: int, sha256: str, part_size: int) -> bool:
-    return (journal.bucket, journal.key, journal.size, journal.sha256, journal.part_size) == (
-        bucket,
-        key,
-        size,
-        sha256,
-        part_size,
-    )
+def journal_matches(journal: UploadJournal, wanted: UploadJournal) -> bool:
+    """Whether journal is an upload of the same file (upload id and mtime aside) to the same key."""
+    same = ("bucket", "key", "size", "sha256", "part_size")
+    return all(getattr(journal, name) == getattr(wanted, name) for name in same)
 
 
 def stored_mismatch(stored: ObjectInfo | None, size: int, sha256: str) -> str:
     """Why the stored object is not the file we uploaded ("" when it is)."""
     if stored is None:
         return "after completing: object missing"
-    if stored.size != size:
-        return f"after completing: size {stored.size}, expected {size}"
-    if stored.sha256 != sha256:
-        return "after completing: sha256 metadata differs"
+    if (stored.size, stored.sha256) != (size, sha256):
+        return f"after completing: stored size {stored.size} and sha256 metadata differ from the file's"
     return ""
 
 
@@ -133,6 +125,10 @@ def write_journal(path: Path, journal: UploadJournal) -> None:
     os.replace(tmp, path)
 
 
+def _md5(data: bytes) -> bytes:
+    return hashlib.md5(data, usedforsecurity=False).digest()
+
+
 # --- minio's private multipart primitives ------------------------------------------------------
 
 
@@ -147,8 +143,9 @@ class _Multipart:
         with self._store._translated(self.bucket, self.key):
             return self._client._create_multipart_upload(self.bucket, self.key, headers)
 
-    def upload_part(self, upload_id: str, number: int, data: bytes, md5_hex: str) -> str:
-        headers = {"Content-MD5": base64.b64encode(bytes.fromhex(md5_hex)).decode()}
+    def upload_part(self, upload_id: str, number: int, data: bytes, md5: bytes | None = None) -> str:
+        """Send one part with Content-MD5 (md5: the digest, computed here when not given)."""
+        headers = {"Content-MD5": base64.b64encode(md5 or _md5(data)).decode()}
         with self._store._translated(self.bucket, self.key):
             return self._client._upload_part(self.bucket, self.key, data, headers, upload_id, number)
 
@@ -165,7 +162,9 @@ class _Multipart:
         with self._store._translated(self.bucket, self.key):
             try:
                 while True:
-                    page = self._client._list_parts(self.bucket, self.key, upload_id, part_number_marker=marker)
+                    page = self._client._list_parts(
+                        self.bucket, self.key, upload_id, part_number_marker=marker
+                    )
                     for part in page.parts:
                         held.setdefault(part.part_number, set()).add((part.etag, part.size or -1))
                     if not page.is_truncated or not page.next_part_number_marker:
@@ -204,11 +203,6 @@ class _Multipart:
 # --- uploads -----------------------------------------------------------------------------------
 
 
-def _send(mp: _Multipart, upload_id: str, number: int, data: bytes) -> tuple[int, str, int]:
-    etag = mp.upload_part(upload_id, number, data, hashlib.md5(data, usedforsecurity=False).hexdigest())
-    return number, etag, len(data)
-
-
 def _send_parts(
     mp: _Multipart,
     upload_id: str,
@@ -217,47 +211,41 @@ def _send_parts(
     held: dict[int, set[tuple[str, int]]],
     progress: Progress | None,
     parallel: int,
-) -> tuple[dict[int, str], int, int, str]:
-    """Read the parts in order (hashing the file as read), send those the server lacks; returns
-    (etag per part, uploaded bytes, skipped bytes, sha256 of what was read)."""
+) -> tuple[dict[int, str], int, str]:
+    """Read the parts in order (hashing the file as read) and send those the server lacks; returns
+    (etag per part, skipped bytes, sha256 of the bytes read). At most `parallel` parts in memory."""
     total = ranges[-1].offset + ranges[-1].length
     digest, etags, done, skipped = hashlib.sha256(), {}, 0, 0
-    pending: set[Future[tuple[int, str, int]]] = set()
+    pending: dict[Future[str], PartRange] = {}
 
-    def collect(finished: set[Future[tuple[int, str, int]]]) -> None:
+    def collect(finished: set[Future[str]]) -> None:
         nonlocal done
         for future in finished:
-            number, etag, length = future.result()
-            etags[number] = etag
-            done += length
+            part = pending.pop(future)
+            etags[part.number], done = future.result(), done + part.length
         if progress is not None and finished:
             progress(done, total)
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="fleet-upload") as pool:
-            for part in ranges:
-                if len(pending) >= parallel:  # bounds the parts in memory to `parallel`
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    collect(finished)
-                data = os.pread(fd, part.length, part.offset)
-                if len(data) != part.length:
-                    raise IntegrityError(mp.bucket, mp.key, "", "", f"file shrank while uploading part {part.number}")
-                digest.update(data)
-                if part.number in held and any(size == part.length for _, size in held[part.number]):
-                    md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
-                    if (md5, part.length) in held[part.number]:
-                        etags[part.number] = md5
-                        done, skipped = done + part.length, skipped + part.length
-                        if progress is not None:
-                            progress(done, total)
-                        continue
-                pending.add(pool.submit(_send, mp, upload_id, part.number, data))
-                del data
-            collect(wait(pending).done)
-    finally:
-        os.close(fd)
-    return etags, total - skipped, skipped, digest.hexdigest()
+    with open(path, "rb") as file, ThreadPoolExecutor(parallel, thread_name_prefix="fleet-upload") as pool:
+        for part in ranges:
+            if len(pending) >= parallel:
+                collect(wait(pending, return_when=FIRST_COMPLETED).done)
+            data = os.pread(file.fileno(), part.length, part.offset)
+            digest.update(data)
+            if len(data) != part.length:
+                break  # the file shrank: its sha256 now differs, so the caller aborts
+            listed = held.get(part.number, set())
+            # MD5 here only to compare with a held part of the right size; else in the sending thread.
+            md5 = _md5(data) if any(size == part.length for _, size in listed) else None
+            if md5 is not None and (md5.hex(), part.length) in listed:
+                etags[part.number], done, skipped = md5.hex(), done + part.length, skipped + part.length
+                if progress is not None:
+                    progress(done, total)
+            else:
+                pending[pool.submit(mp.upload_part, upload_id, part.number, data, md5)] = part
+            del data
+        collect(wait(pending).done)
+    return etags, skipped, digest.hexdigest()
 
 
 def put_file_resumable(
@@ -285,32 +273,34 @@ def put_file_resumable(
     old = read_journal(jpath)
     if size < part_size:
         if old is not None:
-            mp.abort(key, old.upload_id)
+            mp.abort(old.key, old.upload_id)
             jpath.unlink(missing_ok=True)
         info = store.put_file(bucket, key, path, progress=progress, sha256=sha256)
         return UploadResult(info=info, uploaded_bytes=size, skipped_bytes=0, resumed=False)
 
     part_size = effective_part_size(size, part_size)
     expected = sha256 or sha256_file(path)
+    wanted = UploadJournal(bucket=bucket, key=key, upload_id="", size=size, sha256=expected,
+                           part_size=part_size, mtime=stat.st_mtime)  # fmt: skip
     held = None
-    if old is not None and journal_matches(old, bucket, key, size, expected, part_size):
+    if old is not None and journal_matches(old, wanted):
         held = mp.list_parts(old.upload_id)
         stored = store.stat(bucket, key) if held is None else None
         if stored is not None and not stored_mismatch(stored, size, expected):
             # Completed and verified before a crash kept us from deleting the journal.
             jpath.unlink(missing_ok=True)
             return UploadResult(info=stored, uploaded_bytes=0, skipped_bytes=size, resumed=True)
-    if held is None or old is None:
-        if old is not None:
-            mp.abort(key, old.upload_id)  # a different file, or an upload the server dropped
-        upload_id, held = mp.create(expected), {}
-        write_journal(jpath, UploadJournal(bucket=bucket, key=key, upload_id=upload_id, size=size,
-                                           sha256=expected, part_size=part_size, mtime=stat.st_mtime))  # fmt: skip
-    else:
+    resumed = held is not None
+    if old is not None and held is not None:
         upload_id = old.upload_id
+    else:
+        if old is not None:
+            mp.abort(old.key, old.upload_id)  # a different file, or an upload the server dropped
+        upload_id, held = mp.create(expected), {}
+        write_journal(jpath, msgspec.structs.replace(wanted, upload_id=upload_id))
 
     try:
-        etags, uploaded, skipped, actual = _send_parts(
+        etags, skipped, actual = _send_parts(
             mp, upload_id, path, part_ranges(size, part_size), held, progress, parallel
         )
         if actual != expected:
@@ -327,7 +317,7 @@ def put_file_resumable(
         store.delete(bucket, key)
         raise IntegrityError(bucket, key, expected, stored.sha256 if stored else "", problem)
     assert stored is not None
-    return UploadResult(info=stored, uploaded_bytes=uploaded, skipped_bytes=skipped, resumed=bool(held))
+    return UploadResult(info=stored, uploaded_bytes=size - skipped, skipped_bytes=skipped, resumed=resumed)
 
 
 def abandon_stale_uploads(

@@ -117,7 +117,10 @@ class ProgressPublisher:
 class Downloader:
     """Runs DownloadModel commands: stage_model in a thread, progress and outcome as events."""
 
-    def __init__(self, bus: Bus, store: ObjectStore, work_dir: Path, origin: str) -> None:
+    def __init__(
+        self, bus: Bus, store: ObjectStore, work_dir: Path, origin: str, ack_wait_s: float = 30.0
+    ) -> None:
+        self.ack_wait_s = ack_wait_s
         self.bus = bus
         self.store = store
         self.work_dir = work_dir
@@ -175,7 +178,9 @@ class Downloader:
 
     async def run(self) -> None:
         """Consume DownloadModel commands until cancelled."""
-        await consume_commands(self.bus, CONSUMER, (DownloadModel, DeleteModel), self.handle)
+        await consume_commands(
+            self.bus, CONSUMER, (DownloadModel, DeleteModel), self.handle, ack_wait_s=self.ack_wait_s
+        )
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -193,7 +198,7 @@ async def main(ctx: ServiceContext) -> None:
     ctx.on_shutdown(close_store)
     work_dir = Path(ctx.settings.state_dir) / "downloader"
     work_dir.mkdir(parents=True, exist_ok=True)
-    downloader = Downloader(ctx.bus, store, work_dir, ctx.service_id)
+    downloader = Downloader(ctx.bus, store, work_dir, ctx.service_id, ctx.settings.command_ack_wait_s)
     ctx.spawn(downloader.run(), name="download-commands")
 
 

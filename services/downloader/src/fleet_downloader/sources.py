@@ -1,11 +1,13 @@
 """Model sources: parse the `source` of a DownloadModel command and find the files it names.
 
 `parse_source` is pure (syntax only); `locate` looks at the local file system and installed packages.
+Hub repos have no local files until they are downloaded: staging.local_model_folder fetches them
+with fleet_downloader.hub.download_repo.
 
     pkg:<python-package>        a package that ships weights (one *.gguf, or a HF folder)
     gguf:///abs/path/file.gguf  one local GGUF file
     file:///abs/dir             a local Hugging Face folder (config.json + *.safetensors)
-    org/name[@revision]         a Hugging Face hub repo (recognised; fetching it arrives with issue 5)
+    org/name[@revision]         a Hugging Face hub repo (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE apply)
 """
 
 from __future__ import annotations
@@ -169,7 +171,10 @@ def package_weights(package: str) -> LocalSource:
 
 
 def locate(source: Source) -> LocalSource:
-    """The local file or folder behind source; UnsupportedSource for hub repos (issue 5)."""
+    """The local file or folder behind a local source; UnsupportedSource for hub repos.
+
+    A hub repo is downloaded first (fleet_downloader.hub.download_repo, which staging calls).
+    """
     match source:
         case PackageSource(package):
             return package_weights(package)
@@ -180,6 +185,6 @@ def locate(source: Source) -> LocalSource:
         case HubSource(repo_id, revision):
             at = f"@{revision}" if revision else ""
             raise UnsupportedSource(
-                f"{repo_id}{at}: fetching from the Hugging Face hub is not supported yet (issue 5); "
-                "use pkg:, gguf:// or file:// sources"
+                f"{repo_id}{at}: a hub repo has no local files to locate; "
+                "download it with fleet_downloader.hub.download_repo"
             )

@@ -9,8 +9,9 @@ import logging
 from pathlib import Path
 
 from fleet_downloader.convert import CONVERTER_VERSION, gguf_to_hf_folder
+from fleet_downloader.hub import download_repo, hub_folder
 from fleet_downloader.progress import StageProgress
-from fleet_downloader.sources import GgufFileSource, LocalFolderSource, locate, parse_source
+from fleet_downloader.sources import GgufFileSource, HubSource, LocalFolderSource, locate, parse_source
 from fleet_proto import DownloadPhase, ModelCard
 from fleet_store import (
     CARD_TEXT_FILES,
@@ -38,8 +39,14 @@ def converted_folder(gguf: Path, work_dir: Path) -> Path:
 
 
 def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _ignore) -> Path:
-    """A local HF folder with the model `source` names, converting a GGUF once (cached under work_dir)."""
-    located = locate(parse_source(source))
+    """A local HF folder with the model `source` names.
+
+    A hub repo is downloaded into work_dir/hub/..., a GGUF converted once (cached under work_dir).
+    """
+    parsed = parse_source(source)
+    if isinstance(parsed, HubSource):
+        return download_repo(parsed, hub_folder(parsed, Path(work_dir)), progress)
+    located = locate(parsed)
     match located:
         case LocalFolderSource(path):
             return path
@@ -69,7 +76,9 @@ def _staged(
     def uploading(done: int, total: int) -> None:
         report(DownloadPhase.UPLOADING, done, total)
 
-    return stage_folder(store, MODELS_BUCKET, model_id, revision, folder, source, uploading), folder
+    # the upload journal lets a restarted downloader continue where a crash left it
+    journal = Path(work_dir) / "uploads"
+    return stage_folder(store, MODELS_BUCKET, model_id, revision, folder, source, uploading, journal), folder
 
 
 def stage_model(

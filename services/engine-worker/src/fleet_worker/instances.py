@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -31,9 +29,11 @@ from fleet_proto import (
     TokenChunk,
 )
 from fleet_runtime.service import ServiceContext
-from fleet_store import MODELS_BUCKET, ObjectStore, fetch_model, load_manifest
+from fleet_store import MODELS_BUCKET, ObjectStore, load_manifest
+from fleet_store.layers import files_for_layers
 from fleet_worker.engine_process import EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest
+from fleet_worker.model_cache import COMPLETE_MARKER, ModelCache
 
 log = logging.getLogger("fleet_worker")
 DEFAULT_REVISION = "main"
@@ -44,9 +44,6 @@ DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish
 
 def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
     return TokenChunk(**msgspec.structs.asdict(output), index=index)
-
-
-COMPLETE_MARKER = ".fleet-complete"  # written into a model folder once every file is verified
 
 
 def cached_models(model_root: Path) -> tuple[str, ...]:
@@ -95,14 +92,13 @@ class InstanceManager:
         ctx: ServiceContext,
         node_id: str,
         store: ObjectStore,
-        model_root: Path,
-        on_models_changed: Callable[[], Awaitable[None]],
+        cache: ModelCache,
     ) -> None:
         self._ctx = ctx
-        self._on_models_changed = on_models_changed
         self._node_id = node_id
         self._store = store
-        self._model_root = model_root
+        self._cache = cache
+        self._pinned: set[str] = set()  # instances holding a pin on their model in the cache
         self._running: dict[str, RunningInstance] = {}
         self._loading: dict[str, asyncio.Task[None]] = {}
 
@@ -126,7 +122,8 @@ class InstanceManager:
     async def reconcile(self, state: State) -> None:
         wanted = self.wanted(state)
         for instance_id, instance in wanted.items():
-            if instance_id not in self._running and instance_id not in self._loading:
+            idle = instance_id not in self._running and instance_id not in self._loading
+            if idle and instance.status != InstanceStatus.DRAINING:  # a drained one is not reloaded
                 self._loading[instance_id] = asyncio.create_task(
                     self._load(instance), name=f"load-{instance_id}"
                 )
@@ -154,7 +151,13 @@ class InstanceManager:
             running = RunningInstance(instance, engine)
             running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
             await self._warm_up(running)
+        except asyncio.CancelledError:  # unloaded (deleted or moved) while loading
+            self._release(instance)
+            if engine is not None:
+                await engine.stop()
+            raise
         except Exception as exc:  # any failure (EngineLoadError, S3, ...) is reported, never lost
+            self._release(instance)
             if engine is not None:
                 await engine.stop()
             log.exception("loading %s failed", iid)
@@ -165,6 +168,7 @@ class InstanceManager:
         finally:
             self._loading.pop(iid, None)
         if iid not in self.wanted(ctx.follower.state):  # deleted or moved while loading
+            self._release(instance)
             await engine.stop()
             return
         self._running[iid] = running
@@ -200,7 +204,14 @@ class InstanceManager:
         manifest = await asyncio.to_thread(
             load_manifest, self._store, MODELS_BUCKET, instance.model_id, DEFAULT_REVISION
         )
-        folder = self._model_root / instance.model_id / DEFAULT_REVISION
+        if instance.instance_id not in self._pinned:  # never evicted while this instance needs it
+            self._cache.pin(instance.model_id, DEFAULT_REVISION)
+            self._pinned.add(instance.instance_id)
+        # a pipeline rank pulls only the files of its layers
+        shard = next((s for s in instance.shards if s.node_id == self._node_id), None)
+        paths = None
+        if shard is not None and len(instance.shards) > 1:
+            paths = files_for_layers(manifest, shard.start_layer, shard.end_layer)
         loop = asyncio.get_running_loop()
         last = [0.0]
 
@@ -211,20 +222,22 @@ class InstanceManager:
                 update = self._status(instance.instance_id, InstanceStatus.DOWNLOADING, done / total)
                 asyncio.run_coroutine_threadsafe(update, loop)
 
-        await asyncio.to_thread(fetch_model, self._store, MODELS_BUCKET, manifest, folder, progress)
-        marker = folder / COMPLETE_MARKER
-        if not marker.exists():
-            marker.touch()
-            await self._on_models_changed()
-        return folder
+        return await self._cache.ensure(manifest, self._store, paths=paths, progress=progress)
+
+    def _release(self, instance: Instance) -> None:
+        if instance.instance_id in self._pinned:
+            self._pinned.discard(instance.instance_id)
+            self._cache.unpin(instance.model_id, DEFAULT_REVISION)
 
     async def _unload(self, instance_id: str) -> None:
         loading = self._loading.pop(instance_id, None)
         if loading is not None:
             loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
         running = self._running.pop(instance_id, None)
         if running is None:
             return
+        self._release(running.instance)
         await running.engine.stop()
         if running.pump is not None:
             await asyncio.gather(running.pump, return_exceptions=True)
@@ -233,13 +246,8 @@ class InstanceManager:
     async def remove_model(self, model_id: str) -> None:
         """Drop the local copy of a deleted model, unless an instance here still runs it (then it
         goes when that instance is deleted and the model is deleted again, or by cache eviction)."""
-        in_use = {r.instance.model_id for r in self._running.values()}
-        folder = self._model_root / model_id
-        if model_id in in_use or not folder.is_dir():
-            return
-        await asyncio.to_thread(shutil.rmtree, folder, True)
-        log.info("removed the local copy of deleted model %s", model_id)
-        await self._on_models_changed()
+        removed = await self._cache.remove(model_id)  # skips revisions pinned by an instance here
+        log.info("model %s was deleted: removed local revisions %s", model_id, removed or "none")
 
     async def close(self) -> None:
         for instance_id in list(self._running.keys() | self._loading.keys()):
@@ -262,6 +270,7 @@ class InstanceManager:
         iid = running.instance.instance_id
         if self._running.get(iid) is running:  # the engine died under us, not an unload
             self._running.pop(iid)
+            self._release(running.instance)
             reason = "engine process exited unexpectedly"
             await self._publish(InstanceFailed(instance_id=iid, reason=reason, origin=self._ctx.service_id))
 

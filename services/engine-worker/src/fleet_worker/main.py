@@ -19,6 +19,7 @@ from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
 from fleet_worker.instances import InstanceManager, cached_models
+from fleet_worker.model_cache import ModelCache
 from fleet_worker.probe import Overrides, node_id_from, node_info, node_metrics
 
 METRICS_INTERVAL_S = 1.0
@@ -60,7 +61,8 @@ async def main(ctx: ServiceContext) -> None:
         info = await asyncio.to_thread(node_info, node_id, model_dir, overrides, cached_models(model_dir))
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 
-    manager = InstanceManager(ctx, node_id, store, model_dir, announce)
+    cache = ModelCache(model_dir, settings.model_cache_bytes, on_change=announce)
+    manager = InstanceManager(ctx, node_id, store, cache)
     await announce()
 
     cancel_decoder = msgspec.json.Decoder(CancelRequest)
@@ -80,6 +82,7 @@ async def main(ctx: ServiceContext) -> None:
     async def leave() -> None:
         await cancel_sub.unsubscribe()
         await manager.close()
+        await cache.close()
         store.close()
         await ctx.bus.publish_event(NodeLeft(node_id=node_id, reason="worker stopped", origin=ctx.service_id))
 
