@@ -6,12 +6,14 @@ One of each per test session, started with the same launchers `fleet up` uses, s
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fleet_local.servers import ServerHandle, start_nats, start_redis, start_s3
+from fleet_store import ObjectStore
 
 # No test talks to a real model hub: hub sources point at a closed local port unless a test starts
 # its own fake hub (services/downloader/tests/fake_hub.py). Child processes inherit this.
@@ -51,3 +53,19 @@ def fresh_nats(tmp_path: Path) -> Iterator[ServerHandle]:
     handle = start_nats(tmp_path / "nats-own")
     yield handle
     handle.stop()
+
+
+@pytest.fixture
+def store(s3_server: ServerHandle) -> Iterator[ObjectStore]:
+    """An ObjectStore on the session's S3 server (no credentials: auth is off there)."""
+    store = ObjectStore(s3_server.url)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def bucket(store: ObjectStore) -> str:
+    """A fresh bucket of the test's own."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    store.ensure_bucket(name)
+    return name

@@ -10,8 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,20 +61,6 @@ def write_random(path: Path, size: int) -> str:
 
 def md5_hex(data: bytes) -> str:
     return hashlib.md5(data, usedforsecurity=False).hexdigest()
-
-
-@pytest.fixture
-def store(s3_server: ServerHandle) -> Iterator[ObjectStore]:
-    store = ObjectStore(s3_server.url)
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def bucket(store: ObjectStore) -> str:
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    store.ensure_bucket(name)
-    return name
 
 
 class Interrupted(Exception):

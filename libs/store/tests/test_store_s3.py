@@ -42,20 +42,6 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-@pytest.fixture
-def store(s3_server: ServerHandle) -> Iterator[ObjectStore]:
-    store = ObjectStore(s3_server.url)
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def bucket(store: ObjectStore) -> str:
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    store.ensure_bucket(name)
-    return name
-
-
 def test_ensure_bucket_is_idempotent(store: ObjectStore) -> None:
     name = f"test-{uuid.uuid4().hex[:12]}"
     store.ensure_bucket(name)

@@ -7,7 +7,6 @@ import json
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from fleet_local.servers import ServerHandle
 from fleet_store import ModelManifest, ObjectNotFound, ObjectStore, file_key, stage_folder
 from fleet_store.layers import files_for_layers
 from fleet_store.manifest import local_file_matches
@@ -53,20 +51,6 @@ class CountingStore:
         if self.gate is not None:
             assert self.gate.wait(30)
         return self._store.get_file(bucket, key, path, progress=progress, expected_sha256=expected_sha256)
-
-
-@pytest.fixture
-def store(s3_server: ServerHandle) -> Iterator[ObjectStore]:
-    store = ObjectStore(endpoint=s3_server.url, access_key="", secret_key="", secure=False)
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def bucket(store: ObjectStore) -> str:
-    name = f"test-cache-{uuid.uuid4().hex[:12]}"
-    store.ensure_bucket(name)
-    return name
 
 
 def _layer(n: int) -> dict[str, np.ndarray]:
