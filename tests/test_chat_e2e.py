@@ -133,6 +133,44 @@ async def test_greedy_non_streamed_is_token_identical_to_mlx_lm(chat_stack, clie
     assert response.usage.total_tokens == len(prompt) + 12
 
 
+async def test_every_finished_request_publishes_its_stats(chat_stack, client):
+    bus = await Bus.connect(chat_stack.nats_url, "stats-reader")
+    try:
+        sub = await bus.nc.subscribe("fleet.stats.request")
+        await bus.nc.flush()
+        response = await asyncio.to_thread(
+            client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+        )
+        stats = json.loads((await sub.next_msg(timeout=10)).data)
+    finally:
+        await bus.close()
+    assert stats["request_id"] == response.id
+    assert (stats["prompt_tokens"], stats["completion_tokens"]) == (response.usage.prompt_tokens, 6)
+    assert 0 < stats["ttft_s"] <= stats["total_s"]
+    assert stats["tpot_s"] > 0
+    assert stats["finish_reason"] == "length"
+    assert stats["node_id"] and stats["instance_id"]
+
+
+async def test_prometheus_metrics_show_the_requests(chat_stack, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    await asyncio.to_thread(client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=3)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):  # the collector sees the stats a moment after the reply
+            async with session.get(chat_stack.metrics_url) as response:
+                text = await response.text()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            ttft = [s for s in families["fleet_request_ttft_seconds"].samples if s.name.endswith("_count")]
+            if ttft and ttft[0].value >= 1:
+                break
+            await asyncio.sleep(0.1)
+    assert ttft[0].labels["model"] == MODEL and ttft[0].value >= 1
+    generated = [s for s in families["fleet_tokens_generated"].samples if s.name.endswith("_total")]
+    assert generated[0].value >= 3
+    assert [s for s in families["fleet_node_memory_used_bytes"].samples if s.value > 0]
+
+
 def test_streamed_matches_non_streamed_and_reports_usage(client):
     args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 10, "temperature": 0}
     whole = client.chat.completions.create(**args)

@@ -156,6 +156,9 @@ async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(clus
         killed = time.monotonic()
         state = await until(session, gateway, lambda s: "w2" not in s["nodes"], 15)
         detected_s = time.monotonic() - killed
+        api_nodes = manifest.metrics_url.replace("/metrics", "/api/nodes")
+        async with session.get(api_nodes) as response:  # the collector's live nodes follow State
+            assert "w2" not in {n["node_id"] for n in (await response.json())["nodes"]}
         state = await until(
             session, gateway, lambda s: s["instances"][instance_id]["node_id"] == "w1"
             and s["instances"][instance_id]["status"] == "ready", 60,

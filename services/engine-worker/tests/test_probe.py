@@ -25,3 +25,67 @@ def test_overrides_replace_what_is_probed(tmp_path: Path):
     assert [(e.name, e.version) for e in info.engines] == [("vllm", "0.32.0"), ("mlx", "unknown")]
     assert info.kind == "cuda"
     assert parse_engines("none") == ()
+
+
+def _meminfo_total_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def test_this_machine_has_no_gpus_and_that_is_normal(tmp_path: Path):
+    from fleet_worker.gpu import NvmlReader
+
+    assert NvmlReader.open() is None  # no NVML library here: None, not an error
+    info = node_info("n", tmp_path)
+    assert info.gpus == ()
+    assert info.kind == "cpu"
+    assert abs(info.memory_total_bytes - _meminfo_total_bytes()) <= 0.05 * _meminfo_total_bytes()
+    assert "mlx" in {engine.name for engine in info.engines}
+    assert info.chip
+
+
+def test_chip_on_linux_reads_dmi_then_cpuinfo(tmp_path: Path):
+    from fleet_proto import GpuInfo
+    from fleet_worker.probe import DGX_SPARK_CHIP, chip_name
+
+    dmi, cpuinfo = tmp_path / "dmi", tmp_path / "cpuinfo"
+    dmi.mkdir()
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9654 96-Core Processor\n")
+    assert chip_name((), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == "AMD EPYC 9654 96-Core Processor"
+
+    (dmi / "product_name").write_text("DGX_Spark\n")
+    (dmi / "sys_vendor").write_text("NVIDIA\n")
+    assert chip_name((), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == DGX_SPARK_CHIP
+    (dmi / "product_name").write_text("ASUS Ascent GX10\n")
+    assert chip_name((), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == DGX_SPARK_CHIP
+
+    (dmi / "product_name").write_text("DGX_H100\n")
+    assert chip_name((), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == "DGX H100"
+    h100 = GpuInfo(name="NVIDIA H100 80GB HBM3", vendor="nvidia", memory_bytes=80 * 2**30)
+    assert chip_name((h100,), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == "NVIDIA H100 80GB HBM3"
+    assert chip_name((h100, h100), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == "2x NVIDIA H100 80GB HBM3"
+
+    # An ARM board without "model name" in /proc/cpuinfo: its DMI name.
+    (dmi / "product_name").unlink()
+    (dmi / "sys_vendor").write_text("Raspberry\n")
+    (dmi / "board_name").write_text("Pi 5\n")
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 108.00\n")
+    assert chip_name((), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == "Pi 5"
+
+
+def test_node_metrics_takes_an_optional_gpu_reader(tmp_path: Path):
+    from fleet_worker.gpu import GpuSample
+    from fleet_worker.probe import gpu_metrics_fields
+
+    class Reader:
+        def static(self):
+            return ()
+
+        def sample(self):
+            return (GpuSample(index=0, utilization_ratio=0.5),)
+
+    metrics = node_metrics("n", tmp_path, reader=Reader())
+    assert metrics.memory_used_bytes > 0
+    assert gpu_metrics_fields(Reader().sample()) == {"gpus": (GpuSample(index=0, utilization_ratio=0.5),)}

@@ -22,6 +22,17 @@ class GpuInfo(Frozen):
     memory_bytes: int
 
 
+class GpuSample(Frozen):
+    """One GPU's dynamic state; -1 in a field the device does not report."""
+
+    index: int
+    utilization_ratio: float = -1.0  # 0..1
+    temperature_c: float = -1.0
+    power_w: float = -1.0
+    memory_used_bytes: int = -1
+    memory_total_bytes: int = -1
+
+
 class NodeKind(StrEnum):
     """What a node's fastest compute is, for placement preferences (seed rules)."""
 

@@ -5,7 +5,7 @@ Engines are token-in, token-out: tasks carry token ids and sampling params, neve
 
 from __future__ import annotations
 
-from fleet_proto.common import Frozen, Shard
+from fleet_proto.common import Frozen, GpuSample, Shard
 
 
 class SamplingParams(Frozen):
@@ -48,6 +48,22 @@ class TokenChunk(GenerationOutput):
     index: int = 0  # chunk sequence number from 0
 
 
+class RequestStats(Frozen):
+    """One finished request's numbers, from the gateway on core `fleet.stats.request` (metrics-collector)."""
+
+    request_id: str
+    model_id: str
+    instance_id: str
+    node_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float  # request received -> first token at the gateway
+    tpot_s: float  # mean time per output token after the first
+    total_s: float
+    finish_reason: str
+    prefix_cached_tokens: int = 0
+
+
 class CancelRequest(Frozen):
     request_id: str
     reason: str = "cancelled"
@@ -67,6 +83,7 @@ class NodeMetrics(Frozen):
     # instance_id -> tokens in its running requests (prompt + generated) and in its queue
     running_tokens: dict[str, int] = {}
     queued_tokens: dict[str, int] = {}
+    gpus: tuple[GpuSample, ...] = ()
 
 
 class RouteRequest(Frozen):

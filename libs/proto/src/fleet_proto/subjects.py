@@ -18,6 +18,7 @@ from fleet_proto.messages import (
     NodeMetrics,
     PlacementsReply,
     PlacementsRequest,
+    RequestStats,
     RouteDecided,
     RouteReply,
     RouteRequest,
@@ -106,6 +107,7 @@ def command_subject(kind: type) -> str:
 ROUTE_SUBJECT = "fleet.route"
 ROUTE_DECIDED_SUBJECT = "fleet.route.decided"
 PLACEMENTS_SUBJECT = "fleet.placements"
+REQUEST_STATS_SUBJECT = "fleet.stats.request"
 
 
 def task_subject(worker_id: str) -> str:
@@ -183,6 +185,12 @@ CHANNELS: tuple[Channel, ...] = (
         reply=PlacementsReply,
         retention=Retention.CORE,
         description="Placement previews for a model, gateway -> scheduler (request/reply).",
+    ),
+    Channel(
+        subject=REQUEST_STATS_SUBJECT,
+        messages=(RequestStats,),
+        retention=Retention.CORE,
+        description="Timings and token counts of every finished request (gateway -> metrics-collector).",
     ),
     Channel(
         subject="fleet.metrics.{node_id}",

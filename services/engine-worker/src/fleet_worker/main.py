@@ -18,6 +18,7 @@ from fleet_proto import CancelRequest, GenerateTask, ModelDeleted, NodeJoined, N
 from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
+from fleet_worker.gpu import NvmlReader
 from fleet_worker.instances import InstanceManager, cached_models
 from fleet_worker.model_cache import ModelCache
 from fleet_worker.probe import Overrides, node_id_from, node_info, node_metrics
@@ -26,10 +27,15 @@ METRICS_INTERVAL_S = 1.0
 
 
 async def publish_metrics(
-    ctx: ServiceContext, node_id: str, model_dir: Path, manager: InstanceManager, overrides: Overrides
+    ctx: ServiceContext,
+    node_id: str,
+    model_dir: Path,
+    manager: InstanceManager,
+    overrides: Overrides,
+    gpus: NvmlReader | None,
 ) -> None:
     while True:
-        sample = await asyncio.to_thread(node_metrics, node_id, model_dir, overrides)
+        sample = await asyncio.to_thread(node_metrics, node_id, model_dir, overrides, gpus)
         sample = msgspec.structs.replace(
             sample,
             active_requests=manager.active_requests(),
@@ -55,10 +61,13 @@ async def main(ctx: ServiceContext) -> None:
     store = ObjectStore.from_settings(ctx.settings)
     settings = ctx.settings
     overrides = Overrides(settings.node_memory_bytes, settings.node_engines, settings.node_kind)
+    gpus = await asyncio.to_thread(NvmlReader.open)  # None without NVML or GPUs: normal
 
     async def announce() -> None:
         """NodeJoined on start and whenever what the node offers changes (a model got cached)."""
-        info = await asyncio.to_thread(node_info, node_id, model_dir, overrides, cached_models(model_dir))
+        info = await asyncio.to_thread(
+            node_info, node_id, model_dir, overrides, cached_models(model_dir), gpus
+        )
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 
     cache = ModelCache(model_dir, settings.model_cache_bytes, on_change=announce)
@@ -75,7 +84,7 @@ async def main(ctx: ServiceContext) -> None:
 
     cancel_sub = await ctx.bus.nc.subscribe("fleet.cancel.*", cb=on_cancel)
     task_decoder = msgspec.json.Decoder(GenerateTask)
-    ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, overrides), "node-metrics")
+    ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, overrides, gpus), "node-metrics")
     ctx.spawn(follow_assignments(ctx, manager), "assignments")
     ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, manager.on_task), "tasks")
 
@@ -83,6 +92,8 @@ async def main(ctx: ServiceContext) -> None:
         await cancel_sub.unsubscribe()
         await manager.close()
         await cache.close()
+        if gpus is not None:
+            gpus.close()
         store.close()
         await ctx.bus.publish_event(NodeLeft(node_id=node_id, reason="worker stopped", origin=ctx.service_id))
 

@@ -6,13 +6,21 @@ import importlib.metadata
 import platform
 import re
 import socket
+import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import msgspec
 import psutil
 
-from fleet_proto import EngineInfo, NodeInfo, NodeKind, NodeMetrics
+from fleet_proto import EngineInfo, GpuInfo, NodeInfo, NodeKind, NodeMetrics
+from fleet_worker.gpu import GpuReader, GpuSample, NvmlReader
+
+DMI_DIR = Path("/sys/class/dmi/id")
+CPUINFO = Path("/proc/cpuinfo")
+DGX_SPARK_CHIP = "NVIDIA DGX Spark (GB10)"
 
 # Engine name -> the distributions whose presence makes it usable (checked without importing them:
 # importing torch or vllm takes seconds and gigabytes).
@@ -41,22 +49,85 @@ def installed_engines() -> tuple[EngineInfo, ...]:
     return tuple(found)
 
 
-def node_kind() -> NodeKind:
+def node_kind(gpus: Sequence[GpuInfo] = ()) -> NodeKind:
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return NodeKind.APPLE
-    if Path("/proc/driver/nvidia/gpus").is_dir():  # the NVML probe (issue 6) adds GPU details
+    if any(gpu.vendor == "nvidia" for gpu in gpus) or Path("/proc/driver/nvidia/gpus").is_dir():
         return NodeKind.CUDA
     return NodeKind.CPU
 
 
-def cpu_model_name() -> str:
+def cpu_model_name(cpuinfo: Path = CPUINFO) -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in cpuinfo.read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def read_dmi(field: str, dmi_dir: Path = DMI_DIR) -> str:
+    """One DMI field ("product_name", "sys_vendor", "board_name"), "" when absent or unreadable."""
+    try:
+        return (dmi_dir / field).read_text().strip()
+    except OSError:
+        return ""
+
+
+def is_dgx_spark(product_name: str, gpus: Sequence[GpuInfo] = ()) -> bool:
+    """A GB10 GPU, or DMI naming the box a DGX Spark ("DGX_Spark") or an OEM GX10 (ASUS Ascent GX10)."""
+    product = product_name.lower().replace("_", " ")
+    return any("gb10" in gpu.name.lower() for gpu in gpus) or "dgx spark" in product or "gx10" in product
+
+
+def chip_name(
+    gpus: Sequence[GpuInfo] = (),
+    *,
+    system: str | None = None,
+    dmi_dir: Path = DMI_DIR,
+    cpuinfo: Path = CPUINFO,
+) -> str:
+    """NodeInfo.chip: "Apple M3 Max", "NVIDIA DGX Spark (GB10)", "NVIDIA H100 80GB HBM3", a CPU model."""
+    system = system or platform.system()
+    if system == "Darwin":
+        return _sysctl("machdep.cpu.brand_string") or _sysctl("hw.model") or platform.machine()
+    if system != "Linux":
+        return platform.processor() or platform.machine()
+    product = read_dmi("product_name", dmi_dir)
+    if is_dgx_spark(product, gpus):
+        return DGX_SPARK_CHIP
+    if gpus:  # the GPU is what placement cares about; several of one kind read "8x NVIDIA H100 ..."
+        names = [gpu.name for gpu in gpus]
+        return names[0] if len(names) == 1 else f"{len(names)}x {names[0]}"
+    if "nvidia" in read_dmi("sys_vendor", dmi_dir).lower():  # another NVIDIA system, its GPUs unseen
+        return product.replace("_", " ") or read_dmi("board_name", dmi_dir) or "NVIDIA System"
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    # Many ARM boards have no "model name" in /proc/cpuinfo: the board's DMI name says more than "aarch64".
+    return (
+        product.replace("_", " ")
+        or read_dmi("board_name", dmi_dir)
+        or platform.processor()
+        or platform.machine()
+    )
+
+
+def _sysctl(name: str) -> str:
+    try:
+        done = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def gpu_metrics_fields(samples: Sequence[GpuSample]) -> dict[str, Any]:
+    """The NodeMetrics keyword arguments carrying GPU samples: {"gpus": (GpuSample, ...)}."""
+    return {"gpus": tuple(samples)}
 
 
 def parse_engines(spec: str) -> tuple[EngineInfo, ...]:
@@ -81,11 +152,24 @@ class Overrides(msgspec.Struct, frozen=True):
 PROBED = Overrides()  # report what the machine has
 
 
+AUTO: Literal["auto"] = "auto"  # node_info/node_metrics: open NVML if this machine has it
+
+
+def _reader(reader: GpuReader | Literal["auto"] | None) -> GpuReader | None:
+    return NvmlReader.open() if reader == AUTO else reader
+
+
 def node_info(
-    node_id: str, model_dir: Path, overrides: Overrides = PROBED, cached: tuple[str, ...] = ()
+    node_id: str,
+    model_dir: Path,
+    overrides: Overrides = PROBED,
+    cached: tuple[str, ...] = (),
+    reader: GpuReader | Literal["auto"] | None = AUTO,
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     disk = psutil.disk_usage(str(_existing(model_dir)))
+    source = _reader(reader)
+    gpus = source.static() if source is not None else ()
     return NodeInfo(
         node_id=node_id,
         hostname=socket.gethostname(),
@@ -97,14 +181,22 @@ def node_info(
         disk_total_bytes=int(disk.total),
         disk_free_bytes=int(disk.free),
         engines=parse_engines(overrides.engines) if overrides.engines else installed_engines(),
-        kind=NodeKind(overrides.kind) if overrides.kind else node_kind(),
-        chip=cpu_model_name(),
+        kind=NodeKind(overrides.kind) if overrides.kind else node_kind(gpus),
+        chip=chip_name(gpus),
+        gpus=gpus,
         cached_models=tuple(cached),
     )
 
 
-def node_metrics(node_id: str, model_dir: Path, overrides: Overrides = PROBED) -> NodeMetrics:
+def node_metrics(
+    node_id: str, model_dir: Path, overrides: Overrides = PROBED, reader: GpuReader | None = None
+) -> NodeMetrics:
+    """Metrics now; with a reader (open it once, e.g. NvmlReader.open()), GPU samples too once
+    NodeMetrics has its `gpus` field."""
     memory = psutil.virtual_memory()
+    extra: dict[str, Any] = {}
+    if reader is not None:
+        extra = gpu_metrics_fields(reader.sample())
     return NodeMetrics(
         node_id=node_id,
         at=time.time(),
@@ -112,6 +204,7 @@ def node_metrics(node_id: str, model_dir: Path, overrides: Overrides = PROBED) -
         memory_available_bytes=overrides.memory_bytes or int(memory.available),
         cpu_percent=float(psutil.cpu_percent(interval=None)),
         disk_free_bytes=int(psutil.disk_usage(str(_existing(model_dir))).free),
+        **extra,
     )
 
 

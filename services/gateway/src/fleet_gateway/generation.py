@@ -20,13 +20,14 @@ from fleet_proto import (
     CancelRequest,
     GenerateTask,
     NodeMetrics,
+    RequestStats,
     RouteReply,
     RouteRequest,
     SamplingParams,
     TokenChunk,
 )
 from fleet_proto.routing import route
-from fleet_proto.subjects import ROUTE_SUBJECT, cancel_subject
+from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, cancel_subject
 
 log = logging.getLogger("fleet_gateway")
 
@@ -73,6 +74,7 @@ class Generator:
     async def generate(
         self, request_id: str, model_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[TokenChunk]:
+        started = time.monotonic()
         decision = await self._route(
             RouteRequest(request_id=request_id, model_id=model_id, prompt_tokens=len(prompt_token_ids))
         )
@@ -84,6 +86,8 @@ class Generator:
         )
         await reader.open()
         finished = False
+        first_token_at = 0.0
+        last: TokenChunk | None = None
         try:
             task = GenerateTask(
                 request_id=request_id,
@@ -94,6 +98,9 @@ class Generator:
             await self._bus.publish_task(worker_id, task)
             async for chunk in reader.chunks():
                 finished = bool(chunk.finish_reason)
+                if chunk.token_ids and not first_token_at:
+                    first_token_at = time.monotonic()
+                last = chunk
                 yield chunk
         finally:
             if not finished:  # client gone or stream broken: stop the engine's work too
@@ -102,3 +109,36 @@ class Generator:
                         self._bus.publish(cancel_subject(request_id), CancelRequest(request_id=request_id))
                     )
             await reader.close()
+        if finished and last is not None:
+            await self._publish_stats(
+                request_id, model_id, decision, len(prompt_token_ids), started, first_token_at, last
+            )
+
+    async def _publish_stats(
+        self,
+        request_id: str,
+        model_id: str,
+        decision: RouteReply,
+        prompt_tokens: int,
+        started: float,
+        first_token_at: float,
+        last: TokenChunk,
+    ) -> None:
+        """Timings for the metrics-collector (from routing to the gateway seeing the tokens)."""
+        now = time.monotonic()
+        ttft = (first_token_at or now) - started
+        tokens = last.completion_tokens
+        stats = RequestStats(
+            request_id=request_id,
+            model_id=model_id,
+            instance_id=decision.instance_id,
+            node_id=decision.worker_id,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=tokens,
+            ttft_s=ttft,
+            tpot_s=(now - first_token_at) / (tokens - 1) if tokens > 1 and first_token_at else 0.0,
+            total_s=now - started,
+            finish_reason=last.finish_reason,
+        )
+        with contextlib.suppress(Exception):  # stats are advisory: never fail a request over them
+            await self._bus.publish(REQUEST_STATS_SUBJECT, stats)

@@ -1,40 +1,112 @@
-"""Metrics collector: folds `fleet.metrics.<node>` into the latest sample per node, serves /metrics."""
+"""Metrics collector: node samples from `fleet.metrics.<node>` and request stats from
+`fleet.stats.request`, exported on /metrics (Prometheus) and as recent series (Redis) on /api."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import msgspec
+import redis.asyncio as aioredis
 from aiohttp import web
 from nats.aio.msg import Msg
 
-from fleet_metrics.prometheus import render
+from fleet_metrics import series
+from fleet_metrics.api import BadQuery, nodes_view, parse_series_query
+from fleet_metrics.registry import CONTENT_TYPE, FleetMetrics
 from fleet_proto import NodeMetrics, ServiceKind
+from fleet_proto.messages import RequestStats
 from fleet_runtime.service import ServiceContext, run
 from fleet_runtime.settings import load_settings
 
-_decoder = msgspec.json.Decoder(NodeMetrics)
+log = logging.getLogger("fleet_metrics")
+
+METRICS_SUBJECT = "fleet.metrics.*"
+REQUEST_STATS_SUBJECT = "fleet.stats.request"
+SERIES_INTERVAL_S = 1.0  # at most one Redis write per node per interval
+
+_metrics_decoder = msgspec.json.Decoder(NodeMetrics)
+_stats_decoder = msgspec.json.Decoder(RequestStats)
 
 
 async def main(ctx: ServiceContext) -> None:
+    client = aioredis.from_url(ctx.settings.redis_url, socket_connect_timeout=2, socket_timeout=2)
+    await client.ping()  # fail at start, with the URL in the error
+
+    async def check_redis() -> None:
+        await client.ping()
+
+    ctx.health_checks["redis"] = check_redis
+    ctx.on_shutdown(client.aclose)
+
     latest: dict[str, NodeMetrics] = {}
+    pending: dict[str, NodeMetrics] = {}  # newest sample per node not yet written to Redis
+
+    def live_samples() -> list[NodeMetrics]:
+        # only nodes the event stream still lists: a node that left stops being reported
+        nodes = ctx.follower.state.nodes
+        return [m for node_id, m in latest.items() if node_id in nodes]
+
+    metrics = FleetMetrics(live_samples)
 
     async def on_metrics(msg: Msg) -> None:
         try:
-            sample = _decoder.decode(msg.data)
-        except msgspec.ValidationError:
+            sample = _metrics_decoder.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
             return
         latest[sample.node_id] = sample
+        pending[sample.node_id] = sample
 
-    sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=on_metrics)
+    async def on_request_stats(msg: Msg) -> None:
+        try:
+            stats = _stats_decoder.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+        metrics.observe_request(stats)
+
+    async def write_series() -> None:
+        # Flushes the newest pending sample of each node once per interval, so Redis sees at most
+        # one write per node per second whatever the publish rate, and NATS callbacks never wait on it.
+        while True:
+            await asyncio.sleep(SERIES_INTERVAL_S)
+            batch = dict(pending)
+            pending.clear()
+            for node_id, sample in batch.items():
+                try:
+                    await series.record(client, node_id, sample)
+                except (aioredis.RedisError, OSError) as exc:
+                    log.warning("series write for %s failed: %s", node_id, exc)
+
+    sub = await ctx.bus.nc.subscribe(METRICS_SUBJECT, cb=on_metrics)
     ctx.on_shutdown(sub.unsubscribe)
+    stats_sub = await ctx.bus.nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_request_stats)
+    ctx.on_shutdown(stats_sub.unsubscribe)
+    ctx.spawn(write_series(), name="series-writer")
 
     async def get_metrics(_: web.Request) -> web.Response:
-        # only nodes the event stream still lists: a node that left stops being reported
-        live = [m for node_id, m in latest.items() if node_id in ctx.follower.state.nodes]
-        return web.Response(text=render(live), content_type="text/plain", charset="utf-8")
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    ctx.routes.append(web.get("/metrics", get_metrics))
+    async def get_nodes(_: web.Request) -> web.Response:
+        return web.json_response({"nodes": nodes_view(ctx.follower.state.nodes, latest)})
+
+    async def get_series(request: web.Request) -> web.Response:
+        node_id = request.match_info["node_id"]
+        if node_id not in ctx.follower.state.nodes and node_id not in latest:
+            return web.json_response({"error": f"unknown node {node_id!r}"}, status=404)
+        try:
+            metric, window_s = parse_series_query(request.query)
+        except BadQuery as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        points = await series.read(client, node_id, metric, window_s)
+        return web.json_response([[ts, value] for ts, value in points])
+
+    ctx.routes += [
+        web.get("/metrics", get_metrics),
+        web.get("/api/nodes", get_nodes),
+        web.get("/api/nodes/{node_id}/series", get_series),
+    ]
 
 
 def cli() -> None:
-    # /metrics and /health share FLEET_METRICS_PORT, the port Prometheus scrapes.
+    # /metrics, /api and /health share FLEET_METRICS_PORT, the port Prometheus scrapes.
     run(ServiceKind.METRICS, main, health_port=load_settings().metrics_port)

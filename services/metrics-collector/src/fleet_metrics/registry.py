@@ -1,0 +1,178 @@
+"""The collector's Prometheus registry: request histograms/counters and scrape-time node gauges.
+
+Pure: no I/O. One `FleetMetrics` per service instance, each with its own `CollectorRegistry`
+(never the process-global default one), so tests and services do not share series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from fleet_proto import NodeMetrics
+
+# The text format /metrics serves (generate_latest writes the classic 0.0.4 format).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class RequestStatsLike(Protocol):
+    """The fields of fleet_proto.messages.RequestStats that the registry reads."""
+
+    model_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    tpot_s: float
+    total_s: float
+    finish_reason: str
+    prefix_cached_tokens: int
+
+
+class NodeCollector(Collector):
+    """Node, instance and GPU gauges built at scrape time from `source()`: the latest sample of
+    every live node. A node that is no longer returned is simply not reported."""
+
+    def __init__(self, source: Callable[[], Iterable[NodeMetrics]]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []  # names are only known at scrape time; nothing to check for clashes
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(node_families(self._source()))
+
+
+def node_families(samples: Iterable[NodeMetrics]) -> list[Metric]:
+    """The gauge families for these node samples (one series per node / instance / GPU)."""
+    node = ["node"]
+    mem_used = GaugeMetricFamily("fleet_node_memory_used_bytes", "Memory in use on the node.", labels=node)
+    mem_avail = GaugeMetricFamily(
+        "fleet_node_memory_available_bytes", "Memory available on the node.", labels=node
+    )
+    cpu = GaugeMetricFamily(
+        "fleet_node_cpu_utilization_ratio", "CPU utilisation of the node over all cores (0..1).", labels=node
+    )
+    disk = GaugeMetricFamily(
+        "fleet_node_disk_free_bytes", "Free disk where the node keeps model files.", labels=node
+    )
+    inst = ["node", "instance"]
+    active = GaugeMetricFamily(
+        "fleet_instance_active_requests", "Requests running in the instance now.", labels=inst
+    )
+    queued = GaugeMetricFamily(
+        "fleet_instance_queued_tokens", "Tokens waiting to be scheduled in the instance.", labels=inst
+    )
+    gpu = ["node", "gpu"]
+    gpu_util = GaugeMetricFamily("fleet_gpu_utilization_ratio", "GPU utilisation (0..1).", labels=gpu)
+    gpu_temp = GaugeMetricFamily("fleet_gpu_temperature_celsius", "GPU temperature.", labels=gpu)
+    gpu_power = GaugeMetricFamily("fleet_gpu_power_watts", "GPU power draw.", labels=gpu)
+    gpu_mem = GaugeMetricFamily("fleet_gpu_memory_used_bytes", "GPU memory in use.", labels=gpu)
+
+    for s in sorted(samples, key=lambda m: m.node_id):
+        n = s.node_id
+        mem_used.add_metric([n], s.memory_used_bytes)
+        mem_avail.add_metric([n], s.memory_available_bytes)
+        cpu.add_metric([n], cpu_ratio(s.cpu_percent))
+        disk.add_metric([n], s.disk_free_bytes)
+        for instance_id, value in sorted(s.active_requests.items()):
+            active.add_metric([n, instance_id], value)
+        for instance_id, value in sorted(s.queued_tokens.items()):
+            queued.add_metric([n, instance_id], value)
+        for g in getattr(s, "gpus", ()) or ():
+            labels = [n, str(_get(g, "index"))]
+            for family, field in (
+                (gpu_util, "utilization_ratio"),
+                (gpu_temp, "temperature_c"),
+                (gpu_power, "power_w"),
+                (gpu_mem, "memory_used_bytes"),
+            ):
+                value = _get(g, field)
+                if _known(value):
+                    family.add_metric(labels, float(value))
+    return [mem_used, mem_avail, cpu, disk, active, queued, gpu_util, gpu_temp, gpu_power, gpu_mem]
+
+
+def cpu_ratio(cpu_percent: float) -> float:
+    return min(max(cpu_percent / 100.0, 0.0), 1.0)
+
+
+def _get(obj: Any, field: str) -> Any:
+    return obj.get(field) if isinstance(obj, dict) else getattr(obj, field, None)
+
+
+def _known(value: Any) -> bool:
+    """-1 (or any negative, or a missing field) means the node could not read the value."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
+class FleetMetrics:
+    """All metrics the collector exports, in a registry of its own."""
+
+    def __init__(self, live_nodes: Callable[[], Iterable[NodeMetrics]] = tuple) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram(
+            "fleet_request_ttft_seconds",
+            "Time to first token.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "fleet_request_tpot_seconds",
+            "Time per output token after the first.",
+            ["model"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "fleet_request_duration_seconds", "End-to-end request time.", buckets=DURATION_BUCKETS, registry=r
+        )
+        # prometheus_client appends `_total` to counter names itself
+        self.generated = Counter(
+            "fleet_tokens_generated", "Completion tokens generated.", ["model"], registry=r
+        )
+        self.prompt = Counter("fleet_prompt_tokens", "Prompt tokens processed.", ["model"], registry=r)
+        self.requests = Counter(
+            "fleet_requests", "Requests finished, by finish reason.", ["model", "finish_reason"], registry=r
+        )
+        self.prefix_hit = Gauge(
+            "fleet_prefix_cache_hit_ratio",
+            "Prompt tokens served from the prefix cache / all prompt tokens, over all requests.",
+            registry=r,
+        )
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        r.register(NodeCollector(live_nodes))
+
+    def observe_request(self, stats: RequestStatsLike) -> None:
+        model = stats.model_id
+        self.requests.labels(model, stats.finish_reason or "unknown").inc()
+        self.duration.observe(max(stats.total_s, 0.0))
+        if stats.prompt_tokens > 0:
+            self.prompt.labels(model).inc(stats.prompt_tokens)
+        if stats.completion_tokens > 0:
+            self.generated.labels(model).inc(stats.completion_tokens)
+            if stats.ttft_s >= 0:  # no first token: no TTFT to observe
+                self.ttft.labels(model).observe(stats.ttft_s)
+        if stats.completion_tokens > 1 and stats.tpot_s >= 0:  # TPOT needs a second token
+            self.tpot.labels(model).observe(stats.tpot_s)
+        self._prompt_tokens += max(stats.prompt_tokens, 0)
+        self._cached_tokens += min(max(stats.prefix_cached_tokens, 0), max(stats.prompt_tokens, 0))
+        self.prefix_hit.set(prefix_hit_ratio(self._cached_tokens, self._prompt_tokens))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def prefix_hit_ratio(cached_tokens: int, prompt_tokens: int) -> float:
+    return cached_tokens / prompt_tokens if prompt_tokens > 0 else 0.0
