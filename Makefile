@@ -50,6 +50,7 @@ test: install lint
 bench: install
 	$(BIN)/python bench/first_light.py
 	$(BIN)/python bench/route_latency.py
+	$(BIN)/python bench/staging_throughput.py
 
 docker:
 	docker compose build
