@@ -85,3 +85,8 @@ def test_fleet_service_dockerfile_exists(config: dict, name: str) -> None:
     dockerfile = REPO / build["context"] / build.get("dockerfile", "Dockerfile")
     assert dockerfile.is_file(), f"{name}: {dockerfile} missing"
     assert dockerfile.resolve().is_relative_to(REPO)
+
+
+@pytest.mark.parametrize(("service", "needs"), [("scheduler", "redis"), ("metrics-collector", "redis")])
+def test_services_wait_for_what_they_connect_to(config: dict, service: str, needs: str) -> None:
+    assert config["services"][service]["depends_on"][needs]["condition"] == "service_healthy"
