@@ -17,7 +17,6 @@ from safetensors.numpy import save_file
 from fleet_store import ModelManifest, ObjectNotFound, ObjectStore, file_key, stage_folder
 from fleet_store.layers import files_for_layers
 from fleet_store.manifest import local_file_matches
-from fleet_worker.instances import cached_models
 from fleet_worker.model_cache import (
     COMPLETE_MARKER,
     LAST_USED_MARKER,
@@ -123,7 +122,7 @@ async def test_ensure_evicts_the_least_recently_used_model(
     assert _present(cache, alpha) and _present(cache, gamma)
     assert not cache.folder(beta.model_id, REV).exists()
     assert cache.usage_bytes() == 2 * alpha.total_size <= cache.limit_bytes
-    assert cached_models(cache.root) == ("gamma", "org/alpha")
+    assert cache.complete_models() == ("gamma", "org/alpha")
     assert len(changes) == 4  # alpha, beta, gamma complete; beta evicted
 
     # A restarted worker keeps the order (marker mtimes): alpha is now the one to go.
@@ -254,14 +253,14 @@ async def test_shard_fetch_downloads_only_the_shards_files(
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == sorted(shard)
     assert (folder / PARTIAL_MARKER).is_file() and (folder / LAST_USED_MARKER).is_file()
     assert not (folder / COMPLETE_MARKER).exists()
-    assert cached_models(cache.root) == () and changes == []
+    assert cache.complete_models() == () and changes == []
 
     # The whole model later: only the missing file moves, and now it is complete.
     counting.gets.clear()
     await cache.ensure(alpha, counting)  # type: ignore[arg-type]
     assert set(counting.gets) == _keys(alpha, ["model-00001-of-00003.safetensors"])
     assert (folder / COMPLETE_MARKER).is_file() and not (folder / PARTIAL_MARKER).exists()
-    assert cached_models(cache.root) == ("org/alpha",) and changes == [1]
+    assert cache.complete_models() == ("org/alpha",) and changes == [1]
 
     # A shard of a complete model keeps it complete.
     await cache.ensure(alpha, counting, paths=files_for_layers(alpha, 0, 2))  # type: ignore[arg-type]
@@ -305,7 +304,7 @@ async def test_a_failed_repair_unmarks_the_model(
         await cache.ensure(alpha, store)
 
     assert not (folder / COMPLETE_MARKER).exists() and (folder / PARTIAL_MARKER).is_file()
-    assert cached_models(cache.root) == () and changes == [1, 1]
+    assert cache.complete_models() == () and changes == [1, 1]
 
 
 async def test_remove_drops_every_revision_not_in_use(

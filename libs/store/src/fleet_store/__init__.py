@@ -18,6 +18,7 @@ from fleet_store.errors import (
 )
 from fleet_store.hashing import Progress, sha256_file
 from fleet_store.manifest import (
+    DEFAULT_REVISION,
     FetchResult,
     ManifestFile,
     ModelManifest,
@@ -34,6 +35,7 @@ from fleet_store.resumable import UploadResult, abandon_stale_uploads, put_file_
 __all__ = [
     "ALL_BUCKETS",
     "CARD_TEXT_FILES",
+    "DEFAULT_REVISION",
     "KV_BUCKET",
     "MODELS_BUCKET",
     "SHA256_METADATA",

@@ -23,6 +23,8 @@ from fleet_store.resumable import put_file_resumable
 MANIFEST_NAME = "manifest.json"
 
 log = logging.getLogger("fleet_store")
+# The revision a model is staged under when its source names none.
+DEFAULT_REVISION = "main"
 
 
 class ManifestFile(msgspec.Struct, frozen=True, kw_only=True):

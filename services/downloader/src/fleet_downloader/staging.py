@@ -15,6 +15,7 @@ from fleet_downloader.sources import GgufFileSource, HubSource, LocalFolderSourc
 from fleet_proto import DownloadPhase, ModelCard
 from fleet_store import (
     CARD_TEXT_FILES,
+    DEFAULT_REVISION,
     MODELS_BUCKET,
     ModelManifest,
     ObjectStore,
@@ -85,7 +86,7 @@ def stage_model(
     store: ObjectStore,
     model_id: str,
     source: str,
-    revision: str = "main",
+    revision: str = DEFAULT_REVISION,
     *,
     work_dir: Path,
     progress: StageProgress | None = None,
@@ -120,7 +121,7 @@ def stage_model_with_card(
     store: ObjectStore,
     model_id: str,
     source: str,
-    revision: str = "main",
+    revision: str = DEFAULT_REVISION,
     *,
     work_dir: Path,
     progress: StageProgress | None = None,

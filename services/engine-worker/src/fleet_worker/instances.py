@@ -29,14 +29,13 @@ from fleet_proto import (
     TokenChunk,
 )
 from fleet_runtime.service import ServiceContext
-from fleet_store import MODELS_BUCKET, ObjectStore, load_manifest
+from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectStore, load_manifest
 from fleet_store.layers import files_for_layers
 from fleet_worker.engine_process import EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest
-from fleet_worker.model_cache import COMPLETE_MARKER, ModelCache
+from fleet_worker.model_cache import ModelCache
 
 log = logging.getLogger("fleet_worker")
-DEFAULT_REVISION = "main"
 LOAD_TIMEOUT_S = 600.0
 WARMUP_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish, then are cancelled
@@ -44,14 +43,6 @@ DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish
 
 def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
     return TokenChunk(**msgspec.structs.asdict(output), index=index)
-
-
-def cached_models(model_root: Path) -> tuple[str, ...]:
-    """Models whose files this node holds completely (<root>/<model_id>/<revision>/.fleet-complete)."""
-    found = {
-        str(marker.parent.parent.relative_to(model_root)) for marker in model_root.rglob(COMPLETE_MARKER)
-    }
-    return tuple(sorted(found))
 
 
 class RunningInstance:

@@ -19,7 +19,7 @@ from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
 from fleet_worker.gpu import NvmlReader
-from fleet_worker.instances import InstanceManager, cached_models
+from fleet_worker.instances import InstanceManager
 from fleet_worker.model_cache import ModelCache
 from fleet_worker.probe import Overrides, node_id_from, node_info, node_metrics
 
@@ -66,7 +66,7 @@ async def main(ctx: ServiceContext) -> None:
     async def announce() -> None:
         """NodeJoined on start and whenever what the node offers changes (a model got cached)."""
         info = await asyncio.to_thread(
-            node_info, node_id, model_dir, overrides, cached_models(model_dir), gpus
+            node_info, node_id, model_dir, overrides, cache.complete_models(), gpus
         )
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 

@@ -2,7 +2,7 @@
 and evicted least-recently-used when a size limit needs the room.
 
 Markers in a model folder (hidden, so manifests and fetches never see them):
-- `.fleet-complete`: every file of the manifest is present and was verified (what `cached_models()`
+- `.fleet-complete`: every file of the manifest is present and was verified (what `complete_models()`
   scans for and the node advertises). A fetch of a shard's files only never writes it.
 - `.fleet-partial`: some files (a shard's) are present, or the last fetch failed.
 - `.fleet-last-used`: its mtime is the model's last use, so the LRU order survives a restart.
@@ -199,6 +199,10 @@ class ModelCache:
     def usage_bytes(self) -> int:
         """Bytes of every model folder under root (blocking: walks the folders)."""
         return sum(entry.size for entry in self._scan().values())
+
+    def complete_models(self) -> tuple[str, ...]:
+        """Ids of the models held completely here, for NodeJoined (blocking: walks the folders)."""
+        return tuple(sorted({model_id for (model_id, _), entry in self._scan().items() if entry.complete}))
 
     def models(self) -> list[CachedModel]:
         """The models here, least recently used first (blocking: walks the folders)."""

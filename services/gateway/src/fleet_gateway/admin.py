@@ -24,9 +24,7 @@ from fleet_proto import (
     State,
 )
 from fleet_proto.subjects import PLACEMENTS_SUBJECT
-from fleet_store import MODELS_BUCKET, ObjectStore, manifest_key
-
-DEFAULT_REVISION = "main"
+from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectStore, manifest_key
 
 
 class StageModelBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet_gateway.tokenizer import ChatTokenizer
-from fleet_store import MODELS_BUCKET, ObjectNotFound, ObjectStore, load_manifest
+from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectNotFound, ObjectStore, load_manifest
 from fleet_store.manifest import file_key
 
-DEFAULT_REVISION = "main"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json")
 DEFAULT_MAX_MODEL_LEN = 2048
 
