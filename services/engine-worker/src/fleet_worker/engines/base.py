@@ -7,12 +7,19 @@ gets its first token in the step that admits it) and returns what changed.
 Contract: add() never raises for a bad request (empty prompt, token id out of range...): the request
 ends with an "error" output at the next step(). Every added request gets exactly one final output
 (finish_reason set). SamplingParams.logprobs is not produced yet (the gateway refuses it).
-Engines are named in a lazy registry so the worker never imports an engine it does not run.
+Engines are named in a lazy registry so the worker never imports an engine it does not run; an
+entry also names the environment its engine needs before its module is imported (vLLM reads its
+settings at import). Constructors take the model folder, `on_load_progress(done, total)` (layers
+loaded, for the instance's loading progress) and the engine's own options.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -46,19 +53,81 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-# name -> "module:Class"; the class is constructed as Class(model_dir, **options).
-ENGINES: dict[str, str] = {"mlx": "fleet_worker.engines.mlx_engine:MlxEngine"}
+LoadProgress = Callable[[int, int], None]
+"""Called with (layers loaded, total layers) while an engine loads its weights."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    target: str  # "module:Class", constructed as Class(model_dir, on_load_progress=..., **options)
+    # Set in the engine's process before its module is imported (never overriding the operator's).
+    environment: Mapping[str, str] = field(default_factory=dict)
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "mlx": EngineSpec("fleet_worker.engines.mlx_engine:MlxEngine"),
+    # In-process V1 engine core: no engine-core subprocess to outlive or orphan in the engine child.
+    "vllm": EngineSpec(
+        "fleet_worker.engines.vllm_engine:VllmEngine", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    ),
+}
 
 
 class UnknownEngineError(ValueError):
     pass
 
 
-def load_engine(name: str, model_dir: Path, **options: object) -> Engine:
+def engine_spec(name: str) -> EngineSpec:
     try:
-        target = ENGINES[name]
+        return ENGINES[name]
     except KeyError:
         raise UnknownEngineError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
-    module_name, class_name = target.split(":")
+
+
+def load_engine(
+    name: str, model_dir: Path, on_load_progress: LoadProgress | None = None, **options: object
+) -> Engine:
+    """Import and construct an engine; meant for the engine's own process (it sets environment)."""
+    spec = engine_spec(name)
+    for key, value in spec.environment.items():
+        os.environ.setdefault(key, value)
+    module_name, class_name = spec.target.split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
-    return engine_class(model_dir, **options)
+    return engine_class(model_dir, on_load_progress=on_load_progress, **options)
+
+
+def request_problem(request: EngineRequest, vocab_size: int) -> str:
+    """Why the request cannot run, or "" when it can (every engine refuses the same things)."""
+    params = request.sampling
+    outside = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
+    checks = [
+        (not request.prompt_token_ids, "empty prompt"),
+        (outside is not None, f"prompt token id {outside} is outside the vocabulary of {vocab_size}"),
+        (params.max_tokens < 1, f"max_tokens must be at least 1, got {params.max_tokens}"),
+        (params.temperature < 0, f"temperature must be >= 0, got {params.temperature}"),
+        (not 0 < params.top_p <= 1, f"top_p must be in (0, 1], got {params.top_p}"),
+        (params.top_k < 0, f"top_k must be >= 0 (0: off), got {params.top_k}"),
+        (not 0 <= params.min_p <= 1, f"min_p must be in [0, 1], got {params.min_p}"),
+        (params.repetition_penalty <= 0, f"repetition_penalty must be > 0, got {params.repetition_penalty}"),
+    ]
+    return next((message for failed, message in checks if failed), "")
+
+
+def error_output(request: EngineRequest, problem: str) -> EngineOutput:
+    return EngineOutput(
+        request_id=request.request_id,
+        finish_reason="error",
+        error=problem,
+        prompt_tokens=len(request.prompt_token_ids),
+    )
+
+
+def eos_token_ids(model_dir: Path) -> set[int]:
+    """EOS ids of both config.json and generation_config.json (mlx-lm keeps only the latter's)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else (value or []))
+    return ids

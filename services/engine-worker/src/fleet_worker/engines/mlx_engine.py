@@ -26,7 +26,6 @@ vLLM's usage, completion_tokens counts it (it was generated). Output timings are
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections import deque
@@ -48,21 +47,17 @@ from mlx_lm.sample_utils import (
 )
 
 from fleet_proto import SamplingParams
-from fleet_worker.engines.base import EngineOutput, EngineRequest
+from fleet_worker.engines.base import (
+    EngineOutput,
+    EngineRequest,
+    LoadProgress,
+    eos_token_ids,
+    error_output,
+    request_problem,
+)
 
 Sampler = Callable[[mx.array], mx.array]
 CLEAR_CACHE_EVERY_STEPS = 256
-
-
-def eos_token_ids(model_dir: Path) -> set[int]:
-    """EOS ids of both config.json and generation_config.json (mlx-lm keeps only the latter's)."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = model_dir / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update([value] if isinstance(value, int) else (value or []))
-    return ids
 
 
 def make_seeded_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
@@ -86,23 +81,6 @@ def make_seeded_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
         return mx.random.categorical(logprobs * inverse_temperature, key=key)
 
     return sample
-
-
-def request_problem(request: EngineRequest, vocab_size: int) -> str:
-    """Why the request cannot run, or "" when it can."""
-    params = request.sampling
-    outside = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
-    checks = [
-        (not request.prompt_token_ids, "empty prompt"),
-        (outside is not None, f"prompt token id {outside} is outside the vocabulary of {vocab_size}"),
-        (params.max_tokens < 1, f"max_tokens must be at least 1, got {params.max_tokens}"),
-        (params.temperature < 0, f"temperature must be >= 0, got {params.temperature}"),
-        (not 0 < params.top_p <= 1, f"top_p must be in (0, 1], got {params.top_p}"),
-        (params.top_k < 0, f"top_k must be >= 0 (0: off), got {params.top_k}"),
-        (not 0 <= params.min_p <= 1, f"min_p must be in [0, 1], got {params.min_p}"),
-        (params.repetition_penalty <= 0, f"repetition_penalty must be > 0, got {params.repetition_penalty}"),
-    ]
-    return next((message for failed, message in checks if failed), "")
 
 
 @dataclass(eq=False)
@@ -137,12 +115,20 @@ def _describe(error: BaseException) -> str:
 class MlxEngine:
     """Driven by one thread only: MLX arrays and streams belong to the thread that made them."""
 
-    def __init__(self, model_dir: Path, max_batch_size: int = 8, prefill_step_size: int = 512) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        on_load_progress: LoadProgress | None = None,
+        max_batch_size: int = 8,
+        prefill_step_size: int = 512,
+    ) -> None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             # mlx_lm.load would take a missing folder for a Hugging Face repo id and go online.
             raise FileNotFoundError(f"no model folder with a config.json at {model_dir}")
         self.model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
+        if on_load_progress is not None:  # mlx_lm.load is one call: all layers arrive at once
+            on_load_progress(len(self.model.layers), len(self.model.layers))
         text_config = config.get("text_config") or {}
         self.vocab_size = int(config.get("vocab_size") or text_config.get("vocab_size") or len(tokenizer))
         self.eos_token_ids = frozenset(set(tokenizer.eos_token_ids) | eos_token_ids(model_dir))
@@ -164,14 +150,7 @@ class MlxEngine:
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
         if problem:
-            self._pending.append(
-                EngineOutput(
-                    request_id=request.request_id,
-                    finish_reason="error",
-                    error=problem,
-                    prompt_tokens=len(request.prompt_token_ids),
-                )
-            )
+            self._pending.append(error_output(request, problem))
             return
         params = request.sampling
         stop = self._eos_stop

@@ -1,0 +1,90 @@
+"""MLX prompt caches <-> Fleet KV blocks (fleet_store.kv): the MLX edge of the wire format.
+
+mlx-lm's KVCache holds keys (after RoPE) and values as [1, kv_heads, tokens, head_dim], allocated
+in steps of 256 rows (its `state` is (keys, values, offset): rows past the offset are unused); the
+wire layout is [tokens, kv_heads, head_dim] per layer. Only plain KVCache layers convert: a rotating
+(sliding-window) or SSM cache cannot be cut into position-addressed blocks, so such a model refuses
+rather than risk wrong output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from fleet_store.kv import KVBlobError, KVBlock, WireTensor, prompt_blocks
+
+MLX_TO_WIRE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+WIRE_TO_MLX = {name: dtype for dtype, name in MLX_TO_WIRE.items()}
+# numpy has no bfloat16: its bytes travel as uint16 and are reinterpreted on the MLX side.
+WIRE_TO_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def to_wire(array: mx.array) -> WireTensor:
+    name = MLX_TO_WIRE[array.dtype]
+    host = np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+    return WireTensor(name, tuple(array.shape), host.tobytes())
+
+
+def from_wire(tensor: WireTensor) -> mx.array:
+    try:
+        host = np.frombuffer(tensor.data, dtype=WIRE_TO_NUMPY[tensor.dtype]).reshape(tensor.shape)
+    except KeyError:
+        raise KVBlobError(f"dtype {tensor.dtype} cannot go into an MLX cache") from None
+    array = mx.array(host)
+    return array.view(mx.bfloat16) if tensor.dtype == "BF16" else array
+
+
+def _plain_layers(cache: Sequence[object]) -> list[KVCache]:
+    if not all(type(layer) is KVCache for layer in cache):
+        kinds = sorted({type(layer).__name__ for layer in cache})
+        raise ValueError(f"only plain KVCache layers convert to Fleet KV blocks, this cache has {kinds}")
+    return list(cache)  # type: ignore[arg-type]
+
+
+def cache_to_blocks(
+    cache: Sequence[object], token_ids: Sequence[int], fingerprint: str, block_size: int
+) -> list[KVBlock]:
+    """The full blocks of a prompt whose KV fills `cache` (positions 0 .. len(token_ids))."""
+    layers = _plain_layers(cache)
+    if any(layer.offset < len(token_ids) for layer in layers):
+        raise ValueError(
+            f"the cache holds {layers[0].offset} tokens, fewer than the prompt's {len(token_ids)}"
+        )
+    states = [(layer.keys, layer.values) for layer in layers]
+    blocks = []
+    for block_hash, parent, start, tokens in prompt_blocks(fingerprint, token_ids, block_size):
+        end = start + len(tokens)
+        pairs = tuple(
+            (
+                to_wire(keys[0, :, start:end].transpose(1, 0, 2)),
+                to_wire(values[0, :, start:end].transpose(1, 0, 2)),
+            )
+            for keys, values in states
+        )
+        blocks.append(KVBlock(fingerprint, block_hash, parent, start, tuple(tokens), pairs))
+    return blocks
+
+
+def blocks_to_cache(model: object, blocks: Sequence[KVBlock], dtype: mx.Dtype | None = None) -> list[KVCache]:
+    """A fresh prompt cache for `model` holding the consecutive `blocks` (from token 0)."""
+    cache = _plain_layers(make_prompt_cache(model))
+    expected = 0
+    for block in blocks:
+        if block.token_start != expected or len(block.layers) != len(cache):
+            raise KVBlobError(f"block {block.block_hash} does not continue the prefix at token {expected}")
+        expected += len(block.token_ids)
+    if not blocks:
+        return cache
+    for i, layer in enumerate(cache):
+        keys = mx.concatenate([from_wire(block.layers[i][0]) for block in blocks], axis=0)
+        values = mx.concatenate([from_wire(block.layers[i][1]) for block in blocks], axis=0)
+        keys, values = keys.transpose(1, 0, 2)[None], values.transpose(1, 0, 2)[None]
+        if dtype is not None:
+            keys, values = keys.astype(dtype), values.astype(dtype)
+        layer.state = (keys, values, keys.shape[2])
+    mx.eval([(layer.keys, layer.values) for layer in cache])
+    return cache

@@ -1,0 +1,300 @@
+"""Fleet's vLLM KV connector: prompt KV out to, and prefix KV in from, Fleet's wire format.
+
+Loaded by vLLM from outside its tree (`kv_connector_module_path`), never by patching vLLM. Both
+halves of vLLM's connector API live here (with the in-process engine core they share a process):
+
+- scheduler side: `get_num_new_matched_tokens` counts the prompt's leading Fleet blocks (chained
+  hashes, fleet_store.kv) present in the KV folder, never the last prompt token (vLLM must compute
+  it to sample); `build_connector_meta` turns each step's schedule into plain lists of token slots:
+  blocks to load into the request's freshly allocated pages, and prompt blocks that this step
+  completes, to save.
+- worker side: `start_load_kv` reads, verifies (block hash and token ids) and writes loaded
+  blocks into the paged cache before the forward pass; `save_kv_layer` copies each layer's rows of
+  the completed blocks out as that layer is computed; `wait_for_save` writes each block whose
+  every layer arrived. A blob that is missing or corrupt is reported through
+  `get_block_ids_with_load_errors`, and vLLM recomputes from there (kv_load_failure_policy
+  "recompute"): a bad blob costs time, never correctness.
+
+Rows move in and out of the paged cache through `vllm_paged` (block interiors differ per backend
+and, on CPU, per instruction set).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
+
+from fleet_store.kv import (
+    KVBlobError,
+    KVBlock,
+    KVFolder,
+    WireTensor,
+    decode_block,
+    prompt_blocks,
+)
+from fleet_worker.engines.vllm_paged import PagedLayout, ProbedPositions, SplitLastDim
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("fleet_worker.vllm_connector")
+
+TORCH_TO_WIRE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+WIRE_TO_TORCH = {name: dtype for dtype, name in TORCH_TO_WIRE.items()}
+
+
+def to_wire(tensor: torch.Tensor) -> WireTensor:
+    tensor = tensor.detach().contiguous().cpu()
+    data = tensor.view(torch.uint8).numpy().tobytes()
+    return WireTensor(TORCH_TO_WIRE[tensor.dtype], tuple(tensor.shape), data)
+
+
+def from_wire(tensor: WireTensor) -> torch.Tensor:
+    try:
+        dtype = WIRE_TO_TORCH[tensor.dtype]
+    except KeyError:
+        raise KVBlobError(f"dtype {tensor.dtype} cannot go into a vLLM cache") from None
+    return torch.frombuffer(bytearray(tensor.data), dtype=dtype).view(tensor.shape)
+
+
+# -- metadata: what the scheduler side tells the worker side each step ------------------------------
+@dataclass(frozen=True)
+class BlockTransfer:
+    request_id: str
+    block_hash: str
+    parent_hash: str
+    token_start: int  # of the whole Fleet block
+    token_ids: tuple[int, ...]  # the whole block's tokens
+    first: int  # the rows to move: block rows [first, len(token_ids))
+    slots: tuple[int, ...]  # paged slot of each moved row
+
+
+@dataclass
+class FleetConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side view of a running request: its prompt's Fleet blocks and its pages."""
+
+    blocks: list[tuple[str, str, int, tuple[int, ...]]]  # prompt_blocks()
+    page_ids: list[int]
+
+
+def slots_for(page_ids: list[int], page_size: int, start: int, end: int) -> tuple[int, ...]:
+    return tuple(page_ids[t // page_size] * page_size + t % page_size for t in range(start, end))
+
+
+class FleetKVConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._folder = KVFolder(extra["kv_dir"])
+        self._fingerprint = str(extra["fingerprint"])
+        self._block_size = int(extra["block_size"])
+        self._page_size = vllm_config.cache_config.block_size
+        if self._block_size % self._page_size:
+            raise ValueError(
+                f"Fleet KV block size {self._block_size} is not a multiple of "
+                f"vLLM's block size {self._page_size}"
+            )
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1:
+            raise ValueError(
+                f"Fleet's KV connector moves one full-attention KV cache group; this model has {groups}"
+            )
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self._hits: dict[str, int] = {}  # request -> leading hit tokens seen by the last match
+        self._to_load: dict[str, tuple[int, int]] = {}  # request -> token range to load this step
+        # worker side
+        self._caches: dict[str, tuple[int, torch.Tensor]] = {}  # layer name -> (layer index, paged cache)
+        self._layout: PagedLayout | None = None
+        self._assembling: dict[str, dict[int, tuple[WireTensor, WireTensor]]] = {}
+        self._load_errors: set[int] = set()
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def _prompt_blocks(self, request: Request) -> list[tuple[str, str, int, tuple[int, ...]]]:
+        return prompt_blocks(self._fingerprint, list(request.prompt_token_ids or ()), self._block_size)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt_len = len(request.prompt_token_ids or ())
+        usable = self._prompt_blocks(request)[: (prompt_len - 1) // self._block_size]
+        hit = self._folder.leading_hits(self._fingerprint, [h for h, *_ in usable]) * self._block_size
+        self._hits[request.request_id] = hit
+        return max(hit - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0:
+            end = self._hits[request.request_id]
+            self._to_load[request.request_id] = (end - num_external_tokens, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = FleetConnectorMetadata()
+        computed_before: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids or ())
+            blocks = prompt_blocks(self._fingerprint, prompt, self._block_size)
+            self._tracked[new.req_id] = _Tracked(blocks, list(new.block_ids[0]))
+            computed_before[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_pages = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_pages is not None:
+                tracked.page_ids = list(new_pages[0])  # a resumed request gets all its pages anew
+            elif new_pages is not None:
+                tracked.page_ids.extend(new_pages[0])
+            computed_before[req_id] = cached.num_computed_tokens[i]
+        for req_id, (start, end) in self._to_load.items():
+            meta.loads += self._transfers(req_id, start, end)
+        self._to_load.clear()
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            if req_id in computed_before and req_id in self._tracked:
+                meta.saves += self._completed_blocks(req_id, computed_before[req_id], scheduled)
+        return meta
+
+    def _transfers(self, req_id: str, start: int, end: int) -> list[BlockTransfer]:
+        tracked = self._tracked[req_id]
+        transfers = []
+        for block_hash, parent, block_start, tokens in tracked.blocks:
+            lo, hi = max(start, block_start), min(end, block_start + len(tokens))
+            if lo < hi:
+                slots = slots_for(tracked.page_ids, self._page_size, lo, hi)
+                transfers.append(
+                    BlockTransfer(req_id, block_hash, parent, block_start, tokens, lo - block_start, slots)
+                )
+        return transfers
+
+    def _completed_blocks(self, req_id: str, computed: int, scheduled: int) -> list[BlockTransfer]:
+        """Prompt blocks whose last token is computed in this step (earlier rows are already paged)."""
+        done = computed + scheduled
+        saves = []
+        for block_hash, parent, block_start, tokens in self._tracked[req_id].blocks:
+            block_end = block_start + len(tokens)
+            if computed < block_end <= done and not self._folder.contains(self._fingerprint, block_hash):
+                slots = slots_for(self._tracked[req_id].page_ids, self._page_size, block_start, block_end)
+                saves.append(BlockTransfer(req_id, block_hash, parent, block_start, tokens, 0, slots))
+        return saves
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        return False, None  # saves are synchronous: the pages can go
+
+    # -- worker side -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, cache in kv_caches.items():
+            if cache.ndim != 4:
+                raise ValueError(f"layer {name}: KV cache of shape {tuple(cache.shape)} is not [B, H, N, 2D]")
+            self._caches[name] = (extract_layer_index(name), cache)
+
+    def _paged(self) -> PagedLayout:
+        """The backend's block interior, found on first use (the CPU kernel's ISA is known by then)."""
+        if self._layout is None:
+            if current_platform.is_cpu():
+                name, (_, cache) = next(iter(self._caches.items()))
+                isa = self._vllm_config.compilation_config.static_forward_context[name].isa
+
+                def write(key, value, key_cache, value_cache, slots) -> None:
+                    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+                _, heads, block_size, both = cache.shape
+                self._layout = ProbedPositions.probe(write, heads, block_size, both // 2, cache.dtype)
+            else:
+                self._layout = SplitLastDim()
+        return self._layout
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FleetConnectorMetadata)
+        failed: set[str] = set()
+        for transfer in meta.loads:
+            if transfer.request_id in failed:
+                self._load_errors.update(self._pages(transfer))
+                continue
+            try:
+                block = self._read_block(transfer)
+            except KVBlobError as error:
+                log.warning("KV block %s not loaded, recomputing from there: %s", transfer.block_hash, error)
+                failed.add(transfer.request_id)
+                self._load_errors.update(self._pages(transfer))
+                continue
+            for layer, cache in self._caches.values():
+                slots = torch.tensor(transfer.slots, dtype=torch.long, device=cache.device)
+                keys, values = (from_wire(t)[transfer.first :] for t in block.layers[layer])
+                self._paged().scatter(cache, slots, keys, values)
+
+    def _read_block(self, transfer: BlockTransfer) -> KVBlock:
+        data = self._folder.read(self._fingerprint, transfer.block_hash)
+        if data is None:
+            raise KVBlobError("no such block in the KV folder")
+        block = decode_block(data, transfer.block_hash, transfer.token_ids)
+        if len(block.layers) != len(self._caches):
+            raise KVBlobError(f"block has {len(block.layers)} layers, the model {len(self._caches)}")
+        return block
+
+    def _pages(self, transfer: BlockTransfer) -> set[int]:
+        return {slot // self._page_size for slot in transfer.slots}
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FleetConnectorMetadata)
+        if not meta.saves or layer_name not in self._caches:
+            return
+        layer = self._caches[layer_name][0]
+        for transfer in meta.saves:
+            slots = torch.tensor(transfer.slots, dtype=torch.long, device=kv_layer.device)
+            keys, values = self._paged().gather(kv_layer, slots)
+            self._assembling.setdefault(transfer.block_hash, {})[layer] = (to_wire(keys), to_wire(values))
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FleetConnectorMetadata)
+        for transfer in meta.saves:
+            layers = self._assembling.pop(transfer.block_hash, {})
+            if len(layers) != len(self._caches):
+                continue  # a layer was not computed this step (cannot happen for a dense model)
+            ordered = tuple(layers[i] for i in sorted(layers))
+            block = KVBlock(
+                self._fingerprint,
+                transfer.block_hash,
+                transfer.parent_hash,
+                transfer.token_start,
+                transfer.token_ids,
+                ordered,
+            )
+            self._folder.write(block)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

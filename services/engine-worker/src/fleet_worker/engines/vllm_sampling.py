@@ -1,0 +1,43 @@
+"""Fleet SamplingParams -> the keyword arguments of vLLM's SamplingParams (pure: no vLLM import).
+
+As the seed maps them: temperature, top_p, top_k (0 is off in both), min_p, seed,
+repetition_penalty and logprobs pass through; max_tokens is clamped to what the context has room
+for; the stop token ids are the request's plus the model's EOS ids (config.json and
+generation_config.json may list several, e.g. Llama 3's <|eot_id|>). Engines are token-in,
+token-out, so vLLM never detokenizes (the gateway does) and stop strings never reach it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fleet_proto import SamplingParams
+
+
+def vllm_sampling_kwargs(
+    params: SamplingParams, *, prompt_tokens: int, max_model_len: int, eos_token_ids: Iterable[int]
+) -> dict[str, Any]:
+    stop_ids = sorted(set(eos_token_ids) | set(params.stop_token_ids))
+    kwargs: dict[str, Any] = {
+        "max_tokens": max(1, min(params.max_tokens, max_model_len - prompt_tokens)),
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "seed": params.seed,
+        "stop_token_ids": stop_ids,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+    if params.logprobs:
+        kwargs["logprobs"] = params.logprobs
+    return kwargs
+
+
+def emitted_tokens(new_tokens: list[int], finish_reason: str, stop_ids: frozenset[int]) -> list[int]:
+    """vLLM keeps the stop token in the output; Fleet's engines never emit it (it is still counted)."""
+    if finish_reason == "stop" and new_tokens and new_tokens[-1] in stop_ids:
+        return new_tokens[:-1]
+    return new_tokens
