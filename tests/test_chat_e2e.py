@@ -18,15 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import msgspec
 import openai
 import pytest
 
 from fleet_bus import Bus
 from fleet_local import stack
 from fleet_local.processes import free_port, pid_alive
-from fleet_proto import TokenChunk
-from tests.support import MESSAGES, MODEL, make_chat_model, tiny_tokenizer
+from tests.support import MESSAGES, MODEL, TokenTap, make_chat_model, prompt_ids, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -77,38 +75,6 @@ def mlx_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def prompt_ids(model_dir: Path, messages) -> list[int]:
-    from fleet_gateway.tokenizer import ChatTokenizer
-
-    return ChatTokenizer.from_folder(model_dir).encode_chat(messages)
-
-
-class TokenTap:
-    """Records every TokenChunk on fleet.tok.> so tests can see the token ids a request produced."""
-
-    def __init__(self, nats_url: str) -> None:
-        self.nats_url = nats_url
-        self.chunks: dict[str, list[TokenChunk]] = {}
-
-    async def __aenter__(self) -> TokenTap:
-        self.bus = await Bus.connect(self.nats_url, "token-tap")
-
-        async def record(msg) -> None:
-            chunk = msgspec.json.decode(msg.data, type=TokenChunk)
-            self.chunks.setdefault(chunk.request_id, []).append(chunk)
-
-        self.sub = await self.bus.nc.subscribe("fleet.tok.>", cb=record)
-        await self.bus.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.sub.unsubscribe()
-        await self.bus.close()
-
-    def token_ids(self, request_id: str) -> list[int]:
-        return [t for c in sorted(self.chunks[request_id], key=lambda c: c.index) for t in c.token_ids]
 
 
 def test_models_lists_the_ready_model(client):

@@ -59,17 +59,23 @@ def _follow(
 
 
 def stage_and_serve(
-    gateway: str, model: str, source: str, timeout_s: float, say: Callable[[str], None]
+    gateway: str, model: str, source: str, timeout_s: float, say: Callable[[str], None], engine: str = ""
 ) -> str:
-    """Stage `model` (skipped by the downloader when already staged) and make sure it has an instance."""
+    """Stage `model` (skipped by the downloader when already staged) and make sure it has an instance
+    (on `engine` when given)."""
     call("POST", f"{gateway}/models", {"model": model, "source": source})
     _follow(gateway, f"staging {model}", lambda state: state["downloads"].get(model), "phase", timeout_s, say)
     state = call("GET", f"{gateway}/state")
-    live = [i for i in state["instances"].values() if i["model_id"] == model and i["status"] != "failed"]
+    live = [
+        i
+        for i in state["instances"].values()
+        if i["model_id"] == model and i["status"] != "failed" and engine in ("", i["engine"])
+    ]
     if live:
         instance_id = live[0]["instance_id"]
     else:
-        instance_id = call("POST", f"{gateway}/instances", {"model": model})["instance_id"]
+        body = {"model": model, "engine": engine} if engine else {"model": model}
+        instance_id = call("POST", f"{gateway}/instances", body)["instance_id"]
     lookup = lambda state: state["instances"].get(instance_id)  # noqa: E731
     _follow(gateway, f"instance {instance_id}", lookup, "status", timeout_s, say)
     return instance_id

@@ -35,7 +35,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.model:
         print(f"Serving {args.model} (first run converts and stages it: about a minute)")
         try:
-            stage_and_serve(manifest.gateway_url, args.model, args.model_source, args.timeout * 5, print)
+            stage_and_serve(
+                manifest.gateway_url, args.model, args.model_source, args.timeout * 5, print, args.engine
+            )
         except (BootstrapError, KeyboardInterrupt) as exc:
             print(f"fleet up: {exc or 'interrupted'}; stopping the stack", file=sys.stderr)
             stack.down(state_dir)
@@ -127,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     up_parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health")
     up_parser.add_argument("--model", default=DEFAULT_MODEL, help="model to stage and serve ('' for none)")
+    up_parser.add_argument(
+        "--engine",
+        default="",
+        help="engine for the model's instance: mlx or vllm (default: the scheduler picks)",
+    )
     up_parser.add_argument(
         "--model-source", default=DEFAULT_SOURCE, help=f"where it comes from (default {DEFAULT_SOURCE})"
     )

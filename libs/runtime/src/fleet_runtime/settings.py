@@ -41,6 +41,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     node_memory_bytes: int = 0
     node_engines: str = ""
     node_kind: str = ""
+    # Options per engine for the instances a worker loads, as JSON: {"vllm": {"kv_cache_bytes": 268435456}}
+    # (the keyword arguments of that engine's class: fleet_worker/engines/).
+    engine_options: str = ""
     # The engine-worker's local model cache: least recently used models are evicted beyond it (0: no limit).
     model_cache_bytes: int = 0
     # A command whose consumer died unacked is redelivered after this (a live one renews it).

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet_store.hashing import sha256_file
+from fleet_store.manifest import ModelManifest
 
 FORMAT = "fleet-kv"
 LAYOUT_VERSION = 1
@@ -80,6 +81,14 @@ def folder_fingerprint(model_dir: str | Path) -> str:
     """The fingerprint of a model folder's *.safetensors (workers use their manifest's hashes instead)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     return model_fingerprint({path.name: sha256_file(path) for path in files})
+
+
+def manifest_fingerprint(manifest: ModelManifest) -> str:
+    """folder_fingerprint of the staged folder, from the hashes its manifest already holds."""
+    weights = {
+        f.path: f.sha256 for f in manifest.files if f.path.endswith(".safetensors") and "/" not in f.path
+    }
+    return model_fingerprint(weights)
 
 
 def block_hashes(

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -29,7 +32,8 @@ from fleet_proto import (
     TokenChunk,
 )
 from fleet_runtime.service import ServiceContext
-from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectStore, load_manifest
+from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ModelManifest, ObjectStore, load_manifest
+from fleet_store.kv import manifest_fingerprint
 from fleet_store.layers import files_for_layers
 from fleet_worker.engine_process import EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest
@@ -39,10 +43,58 @@ log = logging.getLogger("fleet_worker")
 LOAD_TIMEOUT_S = 600.0
 WARMUP_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish, then are cancelled
+LOAD_PROGRESS_INTERVAL_S = 0.5
+
+
+class EngineOptionsError(ValueError):
+    """FLEET_ENGINE_OPTIONS is not a JSON object of objects."""
+
+
+def parse_engine_options(raw: str) -> dict[str, dict[str, Any]]:
+    """FLEET_ENGINE_OPTIONS: engine name -> keyword arguments of that engine's class."""
+    if not raw.strip():
+        return {}
+    try:
+        options = json.loads(raw)
+    except ValueError as error:
+        raise EngineOptionsError(f"FLEET_ENGINE_OPTIONS is not JSON: {error}") from None
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise EngineOptionsError('FLEET_ENGINE_OPTIONS must map engine names to objects: {"vllm": {...}}')
+    return options
+
+
+def engine_options(
+    configured: dict[str, dict[str, Any]], engine: str, manifest: ModelManifest
+) -> dict[str, Any]:
+    """The options an instance's engine gets: the configured ones, and the model's KV fingerprint
+    from its manifest when the engine keeps KV blocks (no re-hashing of the weights on the node)."""
+    options = dict(configured.get(engine, {}))
+    if options.get("kv_dir") and not options.get("kv_fingerprint"):
+        options["kv_fingerprint"] = manifest_fingerprint(manifest)
+    return options
 
 
 def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
     return TokenChunk(**msgspec.structs.asdict(output), index=index)
+
+
+class LoadProgressReporter:
+    """Weight-loading progress from the engine process as instance_loading events, at most 2 a second."""
+
+    def __init__(self, publish: Callable[[float], Awaitable[None]]) -> None:
+        self._publish = publish
+        self._last = 0.0
+        self._sent: list[asyncio.Task[None]] = []
+
+    def report(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if total and (now - self._last >= LOAD_PROGRESS_INTERVAL_S or done == total):
+            self._last = now
+            self._sent.append(asyncio.get_running_loop().create_task(self._publish(done / total)))
+
+    async def flush(self) -> None:
+        """Every progress event is out before the next lifecycle event."""
+        await asyncio.gather(*self._sent)
 
 
 class RunningInstance:
@@ -84,8 +136,10 @@ class InstanceManager:
         node_id: str,
         store: ObjectStore,
         cache: ModelCache,
+        options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self._ctx = ctx
+        self._options = options or {}
         self._node_id = node_id
         self._store = store
         self._cache = cache
@@ -133,11 +187,14 @@ class InstanceManager:
         engine: EngineProcess | None = None
         try:
             await self._status(iid, InstanceStatus.DOWNLOADING, 0.0)
-            folder = await self._fetch(instance)
-            await self._publish(
-                InstanceLoading(instance_id=iid, progress=0.0, origin=ctx.service_id, at=time.time())
+            manifest, folder = await self._fetch(instance)
+            await self._loading_progress(iid, 0.0)
+            options = engine_options(self._options, instance.engine, manifest)
+            progress = LoadProgressReporter(lambda fraction: self._loading_progress(iid, fraction))
+            engine = await EngineProcess.start(
+                instance.engine, folder, options, LOAD_TIMEOUT_S, on_progress=progress.report
             )
-            engine = await EngineProcess.start(instance.engine, folder, {}, LOAD_TIMEOUT_S)
+            await progress.flush()
             await self._status(iid, InstanceStatus.WARMING, 0.0)
             running = RunningInstance(instance, engine)
             running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
@@ -166,6 +223,10 @@ class InstanceManager:
         await self._publish(InstanceReady(instance_id=iid, origin=ctx.service_id, at=time.time()))
         log.info("instance %s of %s ready (engine pid %d)", iid, instance.model_id, engine.pid)
 
+    async def _loading_progress(self, instance_id: str, progress: float) -> None:
+        event = InstanceLoading(instance_id=instance_id, progress=progress)
+        await self._publish(msgspec.structs.replace(event, origin=self._ctx.service_id, at=time.time()))
+
     async def _status(self, instance_id: str, status: InstanceStatus, progress: float) -> None:
         event = InstanceStatusChanged(instance_id=instance_id, status=status, progress=progress)
         await self._publish(msgspec.structs.replace(event, origin=self._ctx.service_id, at=time.time()))
@@ -191,7 +252,7 @@ class InstanceManager:
         await self._unload(iid)
         await self._publish(InstanceDeleted(instance_id=iid, origin=self._ctx.service_id, at=time.time()))
 
-    async def _fetch(self, instance: Instance) -> Path:
+    async def _fetch(self, instance: Instance) -> tuple[ModelManifest, Path]:
         manifest = await asyncio.to_thread(
             load_manifest, self._store, MODELS_BUCKET, instance.model_id, DEFAULT_REVISION
         )
@@ -213,7 +274,7 @@ class InstanceManager:
                 update = self._status(instance.instance_id, InstanceStatus.DOWNLOADING, done / total)
                 asyncio.run_coroutine_threadsafe(update, loop)
 
-        return await self._cache.ensure(manifest, self._store, paths=paths, progress=progress)
+        return manifest, await self._cache.ensure(manifest, self._store, paths=paths, progress=progress)
 
     def _release(self, instance: Instance) -> None:
         if instance.instance_id in self._pinned:

@@ -19,7 +19,7 @@ from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
 from fleet_worker.gpu import NvmlReader
-from fleet_worker.instances import InstanceManager
+from fleet_worker.instances import InstanceManager, parse_engine_options
 from fleet_worker.model_cache import ModelCache
 from fleet_worker.probe import Overrides, node_id_from, node_info, node_metrics
 
@@ -71,7 +71,7 @@ async def main(ctx: ServiceContext) -> None:
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 
     cache = ModelCache(model_dir, settings.model_cache_bytes, on_change=announce)
-    manager = InstanceManager(ctx, node_id, store, cache)
+    manager = InstanceManager(ctx, node_id, store, cache, parse_engine_options(settings.engine_options))
     await announce()
 
     cancel_decoder = msgspec.json.Decoder(CancelRequest)

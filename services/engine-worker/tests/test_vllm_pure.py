@@ -1,0 +1,104 @@
+"""The vLLM engine's pure parts, without vLLM: sampling mapping, stop-token trimming, paged layouts
+(with a fake cache-write op named as such), and the worker's engine options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleet_proto import SamplingParams
+from fleet_store import ManifestFile, ModelManifest
+from fleet_store.kv import manifest_fingerprint, model_fingerprint
+from fleet_worker.engines.vllm_paged import ProbedPositions, SplitLastDim
+from fleet_worker.engines.vllm_sampling import emitted_tokens, vllm_sampling_kwargs
+from fleet_worker.instances import EngineOptionsError, engine_options, parse_engine_options
+
+
+def test_sampling_maps_like_the_seed() -> None:
+    params = SamplingParams(
+        max_tokens=50, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=3,
+        stop_token_ids=(7,), logprobs=2,
+    )  # fmt: skip
+    kwargs = vllm_sampling_kwargs(params, prompt_tokens=10, max_model_len=100, eos_token_ids=[2, 9])
+    assert kwargs == {
+        "max_tokens": 50, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+        "repetition_penalty": 1.1, "seed": 3, "stop_token_ids": [2, 7, 9], "logprobs": 2,
+        "detokenize": False, "skip_special_tokens": False,
+    }  # fmt: skip
+
+
+def test_max_tokens_is_clamped_to_the_room_left_in_the_context() -> None:
+    kwargs = vllm_sampling_kwargs(
+        SamplingParams(max_tokens=500), prompt_tokens=90, max_model_len=100, eos_token_ids=[]
+    )
+    assert kwargs["max_tokens"] == 10 and "logprobs" not in kwargs
+
+
+def test_the_stop_token_is_dropped_only_when_it_stopped_the_request() -> None:
+    stops = frozenset({2})
+    assert emitted_tokens([5, 2], "stop", stops) == [5]
+    assert emitted_tokens([5, 2], "length", stops) == [5, 2]  # hit max_tokens on it: keep
+    assert emitted_tokens([5], "", stops) == [5]
+
+
+def fake_transposed_key_write(key, value, key_cache, value_cache, slots) -> None:
+    """A fake of vLLM's CPU cache-write op (AVX2 "vec" layout): keys [dim, block] per head, values rows."""
+    block_size = key_cache.shape[2]
+    for i, slot in enumerate(slots.tolist()):
+        block, row = divmod(slot, block_size)
+        for head in range(key.shape[1]):
+            flat = key_cache[block, head].reshape(-1) if key_cache[block, head].is_contiguous() else None
+            assert flat is not None
+            flat.view(-1, block_size)[:, row] = key[i, head]  # key dims go down the columns
+            value_cache[block, head, row] = value[i, head]
+
+
+def test_probed_positions_find_where_the_backend_put_each_row() -> None:
+    heads, block_size, dim = 2, 4, 3
+    layout = ProbedPositions.probe(fake_transposed_key_write, heads, block_size, dim, torch.bfloat16)
+    assert layout.key_positions[1, 2].item() == 2 * block_size + 1  # transposed: dim 2, row 1
+    assert layout.value_positions[1, 2].item() == block_size * dim + 1 * dim + 2  # after the keys
+
+    cache = torch.zeros(3, heads, block_size, 2 * dim)
+    keys, values = torch.randn(5, heads, dim), torch.randn(5, heads, dim)
+    slots = torch.tensor([1, 2, 3, 8, 9])
+    layout.scatter(cache, slots, keys, values)
+    # what the fake op writes for the same rows is what the layout wrote
+    expected = torch.zeros_like(cache)
+    key_cache, value_cache = expected.view(3, heads, 2 * block_size, dim).chunk(2, dim=2)
+    fake_transposed_key_write(keys, values, key_cache, value_cache, slots)
+    assert torch.equal(cache, expected)
+    got_keys, got_values = layout.gather(cache, slots)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+
+
+def test_split_last_dim_round_trips_rows() -> None:
+    cache = torch.zeros(4, 2, 8, 2 * 16)
+    keys, values = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    slots = torch.tensor([0, 9, 31])
+    SplitLastDim().scatter(cache, slots, keys, values)
+    assert torch.equal(cache[1, :, 1, :16], keys[1]) and torch.equal(cache[1, :, 1, 16:], values[1])
+    got_keys, got_values = SplitLastDim().gather(cache, slots)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+
+
+def test_engine_options_come_from_json_per_engine() -> None:
+    assert parse_engine_options("") == {}
+    assert parse_engine_options('{"vllm": {"kv_cache_bytes": 5}}') == {"vllm": {"kv_cache_bytes": 5}}
+    for bad in ("{", '["vllm"]', '{"vllm": 3}'):
+        with pytest.raises(EngineOptionsError):
+            parse_engine_options(bad)
+
+
+def test_a_kv_engine_gets_the_fingerprint_of_its_manifest() -> None:
+    files = (
+        ManifestFile(path="model.safetensors", size=1, sha256="ab"),
+        ManifestFile(path="config.json", size=1, sha256="cd"),
+    )
+    manifest = ModelManifest(
+        model_id="m", revision="main", source="test", files=files, config={}, created_at=0
+    )
+    assert manifest_fingerprint(manifest) == model_fingerprint({"model.safetensors": "ab"})
+    options = engine_options({"vllm": {"kv_dir": "/kv"}}, "vllm", manifest)
+    assert options == {"kv_dir": "/kv", "kv_fingerprint": manifest_fingerprint(manifest)}
+    assert engine_options({"vllm": {"kv_dir": "/kv"}}, "mlx", manifest) == {}

@@ -1,0 +1,167 @@
+"""OpenAI chat completions through the whole embedded stack on the real vLLM CPU engine.
+
+`fleet up --engine vllm` stages a tiny random llama (ChatML tokenizer, head size 32 for vLLM's CPU
+attention) and serves it from a vLLM instance; greedy output through the stack must equal vLLM's
+own `LLM.generate` on the same folder and the same prompt token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from fleet_bus import Bus
+from fleet_local import stack
+from fleet_local.processes import free_port, pid_alive
+from tests.support import REPO, TokenTap, make_chat_model, prompt_ids
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+MODEL = "tiny/llama-vllm"
+REFERENCE_SCRIPT = REPO / "services/engine-worker/tests/vllm_reference.py"
+CONVERSATIONS = [[{"role": "user", "content": f"Tell me about the number {n}"}] for n in range(4)]
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
+    model_dir = make_chat_model(tmp_path_factory.mktemp("model-vllm"), hidden=128)
+    state_dir = tmp_path_factory.mktemp("fleet-vllm")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # fastest for a tiny model on 2 cores
+        "FLEET_ENGINE_OPTIONS": json.dumps({"vllm": {"kv_cache_bytes": 128 << 20}}),
+    }
+    up = subprocess.run(
+        [sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
+         "--port", str(free_port()), "--model", MODEL, "--model-source", f"file://{model_dir}",
+         "--engine", "vllm"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    manifest = stack.read_manifest(state_dir)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert manifest is not None
+        manifest.state_dir = str(state_dir)
+        yield manifest
+    finally:
+        stack.down(state_dir)
+    assert all(not pid_alive(p.pid, p.started_at) for p in manifest.processes)
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_stack) -> Path:
+    return Path(vllm_stack.state_dir) / "models" / MODEL / "main"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[int, list[int]]:
+    """vLLM's own greedy tokens for each conversation's prompt ids, 12 tokens."""
+    prompts = [prompt_ids(model_dir, messages) for messages in CONVERSATIONS]
+    request = json.dumps({"prompts": prompts, "max_tokens": 12})
+    result = subprocess.run(
+        [sys.executable, str(REFERENCE_SCRIPT), str(model_dir), request],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dict(enumerate(json.loads(result.stdout.strip().splitlines()[-1])))
+
+
+@pytest.fixture
+def client(vllm_stack) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{vllm_stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+async def get_json(url: str) -> dict:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return await response.json()
+
+
+async def test_the_model_runs_on_a_vllm_instance(vllm_stack) -> None:
+    state = await get_json(f"{vllm_stack.gateway_url}/state")
+    (instance,) = [i for i in state["instances"].values() if i["model_id"] == MODEL]
+    assert instance["engine"] == "vllm" and instance["status"] == "ready"
+    capabilities = await get_json(f"{vllm_stack.gateway_url}/capabilities")
+    assert capabilities["vllm_available"] is True
+    assert capabilities["engines"]["vllm"]["versions"] == ["0.32.0"]
+
+
+async def test_weight_loading_progress_reached_the_event_stream(vllm_stack) -> None:
+    bus = await Bus.connect(vllm_stack.nats_url, "progress-reader")
+    try:
+        sub = await bus.js.subscribe(
+            "fleet.evt.instance_loading", ordered_consumer=True, deliver_policy="all"
+        )
+        progress = []
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except TimeoutError:
+                break
+            progress.append(json.loads(msg.data)["progress"])
+    finally:
+        await bus.close()
+    assert progress[0] == 0.0 and progress[-1] == 1.0  # layers loaded / total, from the vLLM loader
+    assert progress == sorted(progress)
+
+
+async def test_greedy_through_the_stack_equals_vllm_generate(vllm_stack, client, reference) -> None:
+    async with TokenTap(vllm_stack.nats_url) as tap:
+        response = await asyncio.to_thread(
+            client.chat.completions.create,
+            model=MODEL,
+            messages=CONVERSATIONS[0],
+            max_tokens=12,
+            temperature=0,
+        )
+        await asyncio.sleep(0.2)
+    assert tap.token_ids(response.id) == reference[0]
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 12
+
+
+async def test_four_concurrent_streams_each_equal_vllm_generate(vllm_stack, client, reference) -> None:
+    def stream(messages) -> tuple[str, str]:
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+            )
+        )
+        return chunks[0].id, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    async with TokenTap(vllm_stack.nats_url) as tap:
+        with ThreadPoolExecutor(4) as pool:
+            results = await asyncio.to_thread(lambda: list(pool.map(stream, CONVERSATIONS)))
+        await asyncio.sleep(0.2)
+    for i, (request_id, text) in enumerate(results):
+        assert tap.token_ids(request_id) == reference[i]
+        assert text  # the gateway detokenized it
+
+
+async def test_client_disconnect_cancels_the_vllm_request(vllm_stack) -> None:
+    body = {"model": MODEL, "messages": CONVERSATIONS[1], "max_tokens": 400, "temperature": 0, "stream": True}
+    async with TokenTap(vllm_stack.nats_url) as tap:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{vllm_stack.gateway_url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                first = await response.content.readuntil(b"\n\n")
+                request_id = json.loads(first.decode()[6:])["id"]
+        for _ in range(100):
+            if any(c.finish_reason for c in tap.chunks.get(request_id, [])):
+                break
+            await asyncio.sleep(0.05)
+        last = max(tap.chunks[request_id], key=lambda c: c.index)
+    assert last.finish_reason == "cancelled"
+    assert len(tap.token_ids(request_id)) < 400
