@@ -24,7 +24,7 @@ def main() -> None:
         block_size=32,
         enforce_eager=True,
         skip_tokenizer_init=True,
-        kv_cache_memory_bytes=256 << 20,
+        kv_cache_memory_bytes=512 << 20,  # SmolLM2 f32 needs 0.35 GiB for its 8192 context
     )
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], detokenize=False)
     prompts = [{"prompt_token_ids": prompt} for prompt in request["prompts"]]
