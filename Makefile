@@ -59,6 +59,7 @@ bench: install
 	$(BIN)/python bench/first_light.py
 	$(BIN)/python bench/route_latency.py
 	$(BIN)/python bench/staging_throughput.py
+	$(if $(VLLM_CPU),$(BIN)/python bench/vllm_serving.py)
 
 docker:
 	docker compose build

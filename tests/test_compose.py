@@ -90,3 +90,13 @@ def test_fleet_service_dockerfile_exists(config: dict, name: str) -> None:
 @pytest.mark.parametrize(("service", "needs"), [("scheduler", "redis"), ("metrics-collector", "redis")])
 def test_services_wait_for_what_they_connect_to(config: dict, service: str, needs: str) -> None:
     assert config["services"][service]["depends_on"][needs]["condition"] == "service_healthy"
+
+
+def test_the_vllm_gpu_worker_is_opt_in_and_reserves_gpus(config: dict) -> None:
+    worker = config["services"]["engine-worker-vllm"]
+    assert worker["profiles"] == ["gpu"]  # plain `docker compose up` on a machine without GPUs skips it
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    dockerfile = REPO / worker["build"]["context"] / worker["build"]["dockerfile"]
+    assert dockerfile.is_file() and "vllm/vllm-openai:" in dockerfile.read_text()
+    assert "container_name" not in worker and "ports" not in worker  # scales like the CPU worker
