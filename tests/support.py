@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
+import aiohttp
 import msgspec
 
 from fleet_bus import Bus
+from fleet_local import stack
+from fleet_local.processes import free_port, pid_alive
 from fleet_proto import TokenChunk
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,3 +75,43 @@ class TokenTap:
 
     def token_ids(self, request_id: str) -> list[int]:
         return [t for c in sorted(self.chunks[request_id], key=lambda c: c.index) for t in c.token_ids]
+
+
+@contextlib.contextmanager
+def embedded_stack(
+    state_dir: Path, model: str, model_dir: Path, engine: str = "", env: Mapping[str, str] | None = None
+) -> Iterator[stack.StackManifest]:
+    """`fleet up --detach` serving `model` from `model_dir` (on `engine`), stopped by PID afterwards."""
+    command = [
+        sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
+        "--port", str(free_port()), "--model", model, "--model-source", f"file://{model_dir}",
+    ]  # fmt: skip
+    if engine:
+        command += ["--engine", engine]
+    up = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    manifest = stack.read_manifest(state_dir)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert manifest is not None
+        manifest.state_dir = str(state_dir)
+        yield manifest
+    finally:
+        stack.down(state_dir)
+    assert all(not pid_alive(p.pid, p.started_at) for p in manifest.processes)
+
+
+async def disconnect_mid_stream(manifest: stack.StackManifest, body: dict) -> tuple[TokenChunk, int]:
+    """Stream a chat completion, hang up after the first event; the request's last chunk and tokens."""
+    async with TokenTap(manifest.nats_url) as tap:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{manifest.gateway_url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                first = await response.content.readuntil(b"\n\n")
+                request_id = json.loads(first.decode()[6:])["id"]
+            # leaving the block closes the connection mid-stream
+        for _ in range(100):
+            if any(c.finish_reason for c in tap.chunks.get(request_id, [])):
+                break
+            await asyncio.sleep(0.05)
+        last = max(tap.chunks[request_id], key=lambda c: c.index)
+    return last, len(tap.token_ids(request_id))

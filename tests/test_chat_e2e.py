@@ -23,28 +23,23 @@ import pytest
 
 from fleet_bus import Bus
 from fleet_local import stack
-from fleet_local.processes import free_port, pid_alive
-from tests.support import MESSAGES, MODEL, TokenTap, make_chat_model, prompt_ids, tiny_tokenizer
+from tests.support import (
+    MESSAGES,
+    MODEL,
+    TokenTap,
+    disconnect_mid_stream,
+    embedded_stack,
+    make_chat_model,
+    prompt_ids,
+    tiny_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
 def chat_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
     model_dir = make_chat_model(tmp_path_factory.mktemp("model"))
-    state_dir = tmp_path_factory.mktemp("fleet-chat")
-    up = subprocess.run(
-        [sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
-         "--port", str(free_port()), "--model", MODEL, "--model-source", f"file://{model_dir}"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    manifest = stack.read_manifest(state_dir)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert manifest is not None
-        manifest.state_dir = str(state_dir)
+    with embedded_stack(tmp_path_factory.mktemp("fleet-chat"), MODEL, model_dir) as manifest:
         yield manifest
-    finally:
-        stack.down(state_dir)
-    assert all(not pid_alive(p.pid, p.started_at) for p in manifest.processes)
 
 
 @pytest.fixture(scope="module")
@@ -189,20 +184,9 @@ async def worker_active(nats_url: str) -> dict[str, int]:
 
 async def test_client_disconnect_cancels_the_request_and_frees_the_slot(chat_stack):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 440, "temperature": 0, "stream": True}
-    async with TokenTap(chat_stack.nats_url) as tap:
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"{chat_stack.gateway_url}/v1/chat/completions", json=body) as response:
-                assert response.status == 200
-                first = await response.content.readuntil(b"\n\n")
-                request_id = json.loads(first.decode()[6:])["id"]
-            # leaving the block closes the connection mid-stream
-        for _ in range(100):
-            if any(c.finish_reason for c in tap.chunks.get(request_id, [])):
-                break
-            await asyncio.sleep(0.05)
-        last = max(tap.chunks[request_id], key=lambda c: c.index)
+    last, tokens = await disconnect_mid_stream(chat_stack, body)
     assert last.finish_reason == "cancelled"
-    assert len(tap.token_ids(request_id)) < 440
+    assert tokens < 440
     for _ in range(30):
         if sum((await worker_active(chat_stack.nats_url)).values()) == 0:
             break

@@ -23,8 +23,7 @@ import pytest
 
 from fleet_bus import Bus
 from fleet_local import stack
-from fleet_local.processes import free_port, pid_alive
-from tests.support import REPO, TokenTap, make_chat_model, prompt_ids
+from tests.support import REPO, TokenTap, disconnect_mid_stream, embedded_stack, make_chat_model, prompt_ids
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -36,27 +35,13 @@ CONVERSATIONS = [[{"role": "user", "content": f"Tell me about the number {n}"}] 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
     model_dir = make_chat_model(tmp_path_factory.mktemp("model-vllm"), hidden=128)
-    state_dir = tmp_path_factory.mktemp("fleet-vllm")
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",  # fastest for a tiny model on 2 cores
         "FLEET_ENGINE_OPTIONS": json.dumps({"vllm": {"kv_cache_bytes": 128 << 20}}),
     }
-    up = subprocess.run(
-        [sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
-         "--port", str(free_port()), "--model", MODEL, "--model-source", f"file://{model_dir}",
-         "--engine", "vllm"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    manifest = stack.read_manifest(state_dir)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert manifest is not None
-        manifest.state_dir = str(state_dir)
+    with embedded_stack(tmp_path_factory.mktemp("fleet-vllm"), MODEL, model_dir, "vllm", env) as manifest:
         yield manifest
-    finally:
-        stack.down(state_dir)
-    assert all(not pid_alive(p.pid, p.started_at) for p in manifest.processes)
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +102,17 @@ async def test_weight_loading_progress_reached_the_event_stream(vllm_stack) -> N
     assert progress == sorted(progress)
 
 
+async def greedy_chat(client: openai.OpenAI, messages, max_tokens: int):
+    response = await asyncio.to_thread(
+        client.chat.completions.create, model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0
+    )
+    await asyncio.sleep(0.2)  # the TokenTap sees the last chunk
+    return response
+
+
 async def test_greedy_through_the_stack_equals_vllm_generate(vllm_stack, client, reference) -> None:
     async with TokenTap(vllm_stack.nats_url) as tap:
-        response = await asyncio.to_thread(
-            client.chat.completions.create,
-            model=MODEL,
-            messages=CONVERSATIONS[0],
-            max_tokens=12,
-            temperature=0,
-        )
-        await asyncio.sleep(0.2)
+        response = await greedy_chat(client, CONVERSATIONS[0], 12)
     assert tap.token_ids(response.id) == reference[0]
     assert response.choices[0].finish_reason == "length"
     assert response.usage.completion_tokens == 12
@@ -150,18 +136,18 @@ async def test_four_concurrent_streams_each_equal_vllm_generate(vllm_stack, clie
         assert text  # the gateway detokenized it
 
 
+async def test_a_repeated_prompt_reuses_vllm_prefix_cache(vllm_stack, client, model_dir) -> None:
+    prompt = prompt_ids(model_dir, CONVERSATIONS[2])
+    async with TokenTap(vllm_stack.nats_url) as tap:
+        for _ in range(2):
+            response = await greedy_chat(client, CONVERSATIONS[2], 2)
+    final = max(tap.chunks[response.id], key=lambda c: c.index)
+    # vLLM caches whole 32-token pages, and always computes the last prompt token itself
+    assert final.prefix_cached_tokens == (len(prompt) - 1) // 32 * 32 > 0
+
+
 async def test_client_disconnect_cancels_the_vllm_request(vllm_stack) -> None:
     body = {"model": MODEL, "messages": CONVERSATIONS[1], "max_tokens": 400, "temperature": 0, "stream": True}
-    async with TokenTap(vllm_stack.nats_url) as tap:
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"{vllm_stack.gateway_url}/v1/chat/completions", json=body) as response:
-                assert response.status == 200
-                first = await response.content.readuntil(b"\n\n")
-                request_id = json.loads(first.decode()[6:])["id"]
-        for _ in range(100):
-            if any(c.finish_reason for c in tap.chunks.get(request_id, [])):
-                break
-            await asyncio.sleep(0.05)
-        last = max(tap.chunks[request_id], key=lambda c: c.index)
+    last, tokens = await disconnect_mid_stream(vllm_stack, body)
     assert last.finish_reason == "cancelled"
-    assert len(tap.token_ids(request_id)) < 400
+    assert tokens < 400

@@ -139,6 +139,7 @@ class Generator:
             tpot_s=(now - first_token_at) / (tokens - 1) if tokens > 1 and first_token_at else 0.0,
             total_s=now - started,
             finish_reason=last.finish_reason,
+            prefix_cached_tokens=last.prefix_cached_tokens,
         )
         with contextlib.suppress(Exception):  # stats are advisory: never fail a request over them
             await self._bus.publish(REQUEST_STATS_SUBJECT, stats)
