@@ -38,8 +38,8 @@ tiny_tokenizer = load_module(REPO / "services/gateway/tests/tiny_tokenizer.py")
 
 
 def make_chat_model(folder: Path, hidden: int = tiny_model.HIDDEN) -> Path:
-    """Tiny llama weights with the ChatML tokenizer (same special ids: 2 ends a turn); vLLM needs
-    hidden >= 128 (head size 32)."""
+    """Tiny llama weights with the ChatML tokenizer (same special ids: 2 ends a turn); the vLLM tests
+    use hidden 128 (head size 32, the kernel real models take)."""
     tiny_model.make_tiny_llama(folder, hidden=hidden)
     tiny_tokenizer.make_tiny_tokenizer_folder(folder)
     return folder

@@ -1,7 +1,7 @@
 """OpenAI chat completions through the whole embedded stack on the real vLLM CPU engine.
 
-`fleet up --engine vllm` stages a tiny random llama (ChatML tokenizer, head size 32 for vLLM's CPU
-attention) and serves it from a vLLM instance; greedy output through the stack must equal vLLM's
+`fleet up --engine vllm` stages a tiny random llama (ChatML tokenizer, head size 32, like real
+models) and serves it from a vLLM instance; greedy output through the stack must equal vLLM's
 own `LLM.generate` on the same folder and the same prompt token ids.
 """
 

@@ -21,14 +21,14 @@ import pytest
 
 from fleet_proto import SamplingParams
 from fleet_store.kv import KVFolder, decode_block, folder_fingerprint, prompt_blocks
-from fleet_worker.engine_process import EngineProcess
+from fleet_worker.engine_process import EngineLoadError, EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest
 
 from .tiny_model import VOCAB_SIZE, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
-HIDDEN = 128  # head size 32: vLLM's CPU attention needs at least 32
+HIDDEN = 128  # head size 32: vLLM's CPU kernel for real models (16 would take its vec16 kernel)
 BLOCK = 32  # Fleet KV block and vLLM page size
 MAX_TOKENS = 8
 PROMPTS = [list(range(3, 103)), list(range(3, 50)), [5, 6, 7], [400 - i for i in range(70)]]
@@ -260,3 +260,13 @@ async def test_mlx_prefix_kv_loads_into_vllm_and_skips_those_tokens(
         assert tokens(outputs) == reference[tuple(MLX_PROMPTS[1])]
     finally:
         await engine.close()
+
+
+async def test_a_model_vllm_cannot_run_fails_to_load_with_vllms_reason(
+    tmp_path: Path, one_thread: None
+) -> None:
+    unknown = make_tiny_llama(tmp_path / "unknown-arch", hidden=HIDDEN)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps(config | {"architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(EngineLoadError, match="NoSuchModelForCausalLM"):
+        await EngineProcess.start("vllm", unknown, {}, load_timeout_s=300)

@@ -100,7 +100,7 @@ def build_tiny_tokenizer() -> Tokenizer:
 def make_tiny_llama(folder: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
     """Write config.json, model.safetensors, tokenizer and generation config into `folder`; return it.
 
-    `hidden` sets the head size (hidden / HEADS): vLLM's CPU attention needs 32 or more.
+    `hidden` sets the head size (hidden / HEADS); vLLM tests use 32, the size class of real models.
     """
     folder.mkdir(parents=True, exist_ok=True)
     save_file(_weights(seed, hidden), str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -218,7 +218,12 @@ class FleetKVConnector(KVConnectorBase_V1):
         if self._layout is None:
             if current_platform.is_cpu():
                 name, (_, cache) = next(iter(self._caches.items()))
-                isa = self._vllm_config.compilation_config.static_forward_context[name].isa
+                layer = self._vllm_config.compilation_config.static_forward_context[name]
+                isa = getattr(layer, "isa", None)  # set by CPU_ATTN's metadata builder
+                if isa is None:
+                    raise RuntimeError(
+                        f"layer {name} does not run on CPU_ATTN: Fleet cannot map its KV cache"
+                    )
 
                 def write(key, value, key_cache, value_cache, slots) -> None:
                     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
