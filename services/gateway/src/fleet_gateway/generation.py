@@ -28,6 +28,7 @@ from fleet_proto import (
 )
 from fleet_proto.routing import route
 from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, cancel_subject
+from fleet_store.kv import DEFAULT_BLOCK_SIZE, block_hashes
 
 log = logging.getLogger("fleet_gateway")
 
@@ -59,7 +60,14 @@ class NodeLiveness:
 
 
 class Generator:
-    def __init__(self, bus: Bus, follower: StateFollower, liveness: NodeLiveness) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        follower: StateFollower,
+        liveness: NodeLiveness,
+        kv_block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        self._kv_block_size = kv_block_size
         self._bus = bus
         self._follower = follower
         self._liveness = liveness
@@ -72,11 +80,28 @@ class Generator:
             return route(self._follower.state, request, {})
 
     async def generate(
-        self, request_id: str, model_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        model_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_fingerprint: str = "",
     ) -> AsyncIterator[TokenChunk]:
+        """Route, send the task, stream its chunks; with a KV fingerprint the prompt's block hashes go
+        along, so the scheduler can route to cached prefixes and the worker can look them up."""
         started = time.monotonic()
+        hashes = (
+            tuple(block_hashes(kv_fingerprint, prompt_token_ids, self._kv_block_size))
+            if kv_fingerprint
+            else ()
+        )
         decision = await self._route(
-            RouteRequest(request_id=request_id, model_id=model_id, prompt_tokens=len(prompt_token_ids))
+            RouteRequest(
+                request_id=request_id,
+                model_id=model_id,
+                prompt_tokens=len(prompt_token_ids),
+                block_hashes=hashes,
+            )
         )
         if not decision.instance_id:
             raise NoInstance(decision.error)
@@ -94,6 +119,7 @@ class Generator:
                 instance_id=decision.instance_id,
                 prompt_token_ids=tuple(prompt_token_ids),
                 sampling=sampling,
+                block_hashes=hashes,
             )
             await self._bus.publish_task(worker_id, task)
             async for chunk in reader.chunks():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectNotFound, ObjectStore, load_manifest
+from fleet_store.kv import manifest_fingerprint
 from fleet_store.manifest import file_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json")
@@ -24,6 +25,7 @@ class ModelInfo:
     model_id: str
     tokenizer: ChatTokenizer
     max_model_len: int
+    kv_fingerprint: str  # seeds the prompt's KV block hashes (fleet_store.kv)
 
 
 def max_model_len(config: dict) -> int:
@@ -59,4 +61,5 @@ class ModelCatalog:
         if "tokenizer.json" not in present:
             raise ObjectNotFound(MODELS_BUCKET, file_key(model_id, DEFAULT_REVISION, "tokenizer.json"))
         config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
-        return ModelInfo(model_id, ChatTokenizer.from_folder(folder), max_model_len(config))
+        tokenizer = ChatTokenizer.from_folder(folder)
+        return ModelInfo(model_id, tokenizer, max_model_len(config), manifest_fingerprint(manifest))

@@ -69,7 +69,9 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
 
     async def tokens(request_id: str, model: ModelInfo, prompt: list[int], sampling) -> AsyncIterator:
         try:
-            async for chunk in generator.generate(request_id, model.model_id, prompt, sampling):
+            async for chunk in generator.generate(
+                request_id, model.model_id, prompt, sampling, model.kv_fingerprint
+            ):
                 yield chunk
         except NoInstance as exc:
             raise ApiError(503, str(exc)) from None

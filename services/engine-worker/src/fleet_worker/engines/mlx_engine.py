@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
@@ -47,6 +48,7 @@ from mlx_lm.sample_utils import (
 )
 
 from fleet_proto import SamplingParams
+from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder
 from fleet_worker.engines.base import (
     EngineOutput,
     EngineRequest,
@@ -55,6 +57,7 @@ from fleet_worker.engines.base import (
     error_output,
     request_problem,
 )
+from fleet_worker.engines.mlx_kv import MlxPrefixStore
 
 Sampler = Callable[[mx.array], mx.array]
 CLEAR_CACHE_EVERY_STEPS = 256
@@ -93,6 +96,7 @@ class _Sequence:
     prompt_time_s: float = 0.0
     first_token_at: float = 0.0
     generated: int = 0  # tokens the model produced, a stop token included
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix store
 
     def output(self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "") -> EngineOutput:
         decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
@@ -105,7 +109,14 @@ class _Sequence:
             completion_tokens=self.generated,
             prompt_time_s=self.prompt_time_s,
             decode_time_s=decode_time_s,
+            prefix_cached_tokens=self.cached_tokens,
         )
+
+
+def activation_dtype(model: Any) -> mx.Dtype:
+    """The dtype the model computes (and caches KV) in: its first floating-point parameter's."""
+    floating = (mx.float32, mx.float16, mx.bfloat16)
+    return next((p.dtype for _, p in tree_flatten(model.parameters()) if p.dtype in floating), mx.float32)
 
 
 def _describe(error: BaseException) -> str:
@@ -121,7 +132,13 @@ class MlxEngine:
         on_load_progress: LoadProgress | None = None,
         max_batch_size: int = 8,
         prefill_step_size: int = 512,
+        kv_fingerprint: str = "",
+        kv_block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_memory_bytes: int = 0,
+        kv_dir: str = "",
     ) -> None:
+        """kv_memory_bytes > 0 keeps finished prompt blocks in memory for reuse (tier 1); kv_dir is the
+        local folder blocks fetched from object storage arrive in and new blocks are written to."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             # mlx_lm.load would take a missing folder for a Hugging Face repo id and go online.
@@ -134,6 +151,13 @@ class MlxEngine:
         self.eos_token_ids = frozenset(set(tokenizer.eos_token_ids) | eos_token_ids(model_dir))
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
+        self._dtype = activation_dtype(self.model)
+        self._prefixes: MlxPrefixStore | None = None
+        if kv_fingerprint and (kv_memory_bytes or kv_dir):
+            folder = KVFolder(kv_dir) if kv_dir else None
+            self._prefixes = MlxPrefixStore(
+                self.model, kv_fingerprint, kv_block_size, kv_memory_bytes, folder
+            )
         self._stream = mx.new_thread_local_stream(mx.default_device())
         self._eos_stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
         self._next_uid = 0
@@ -263,11 +287,21 @@ class MlxEngine:
         return outputs
 
     def _prefill(self, group: list[_Sequence]) -> GenerationBatch:
+        caches, history, rest = [], [], []
+        for sequence in group:
+            prompt = list(sequence.request.prompt_token_ids)
+            cache, hit = make_prompt_cache(self.model), 0
+            if self._prefixes is not None:
+                cache, hit = self._prefixes.cache_for(prompt, self._dtype)
+            sequence.cached_tokens = hit
+            caches.append(cache)
+            history.append(prompt[:hit])
+            rest.append(prompt[hit:])
         prompts = PromptProcessingBatch(
             self.model,
             [s.uid for s in group],
-            [make_prompt_cache(self.model) for _ in group],
-            tokens=[[] for _ in group],
+            caches,
+            tokens=history,
             prefill_step_size=self.prefill_step_size,
             samplers=[s.sampler for s in group],
             fallback_sampler=greedy_sampler,
@@ -276,4 +310,13 @@ class MlxEngine:
             max_tokens=[s.request.sampling.max_tokens for s in group],
         )
         # All prompt tokens but the last fill the cache; the last one's logits give the first token.
-        return prompts.generate([list(s.request.prompt_token_ids) for s in group])
+        if any(len(r) > 1 for r in rest):
+            prompts.prompt([r[:-1] for r in rest])
+        if self._prefixes is not None:
+            for i, sequence in enumerate(group):
+                self._prefixes.store(prompts.extract_cache(i), sequence.request.prompt_token_ids)
+        return prompts.generate([r[-1:] for r in rest])
+
+    def take_kv_changes(self) -> tuple[list[str], list[str]]:
+        """Blocks this engine started and stopped holding in memory since the last call."""
+        return self._prefixes.memory.take_changes() if self._prefixes is not None else ([], [])

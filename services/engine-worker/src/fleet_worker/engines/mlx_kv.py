@@ -15,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from fleet_store.kv import KVBlobError, KVBlock, WireTensor, prompt_blocks
+from fleet_store.kv import KVBlobError, KVBlock, KVFolder, WireTensor, decode_block, prompt_blocks
+from fleet_worker.engines.kv_memory import BlockMemory
 
 MLX_TO_WIRE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
 WIRE_TO_MLX = {name: dtype for dtype, name in MLX_TO_WIRE.items()}
@@ -88,3 +89,86 @@ def blocks_to_cache(model: object, blocks: Sequence[KVBlock], dtype: mx.Dtype | 
         layer.state = (keys, values, keys.shape[2])
     mx.eval([(layer.keys, layer.values) for layer in cache])
     return cache
+
+
+class MlxPrefixStore:
+    """An MLX engine's KV tiers: finished prompt blocks in memory (tier 1, LRU under a byte budget),
+    and a local KV folder that blocks fetched from object storage arrive in and new blocks leave by.
+
+    A prompt reuses its longest run of leading blocks (never its last token: the engine samples
+    from it); the rest is prefilled. Models whose cache is not plain KVCache layers get no reuse.
+    """
+
+    def __init__(
+        self, model: object, fingerprint: str, block_size: int, memory_bytes: int, folder: KVFolder | None
+    ) -> None:
+        self.model = model
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.folder = folder
+        self.memory: BlockMemory[list[tuple[mx.array, mx.array]]] = BlockMemory(memory_bytes)
+        self.supported = all(type(layer) is KVCache for layer in make_prompt_cache(model))
+
+    def _usable(self, prompt: Sequence[int]) -> list[tuple[str, str, int, tuple[int, ...]]]:
+        return prompt_blocks(self.fingerprint, prompt, self.block_size)[
+            : (len(prompt) - 1) // self.block_size
+        ]
+
+    def _from_folder(
+        self, block_hash: str, tokens: tuple[int, ...]
+    ) -> list[tuple[mx.array, mx.array]] | None:
+        data = self.folder.read(self.fingerprint, block_hash) if self.folder is not None else None
+        if data is None:
+            return None
+        try:
+            block = decode_block(data, block_hash, tokens)
+        except KVBlobError:
+            return None  # corrupt or foreign: recompute from here
+        layers = [
+            (from_wire(k).transpose(1, 0, 2)[None], from_wire(v).transpose(1, 0, 2)[None])
+            for k, v in block.layers
+        ]
+        if len(layers) != len(make_prompt_cache(self.model)):
+            return None
+        self.memory.put(block_hash, layers, len(data))
+        return layers
+
+    def cache_for(self, prompt: Sequence[int], dtype: mx.Dtype) -> tuple[list[KVCache], int]:
+        """A prompt cache holding the prompt's longest reusable prefix, and that prefix's length."""
+        cache = make_prompt_cache(self.model)
+        if not self.supported:
+            return cache, 0
+        found: list[list[tuple[mx.array, mx.array]]] = []
+        for block_hash, _, _, tokens in self._usable(prompt):
+            layers = self.memory.get(block_hash) or self._from_folder(block_hash, tokens)
+            if layers is None:
+                break
+            found.append(layers)
+        if not found:
+            return cache, 0
+        for i, layer in enumerate(cache):
+            keys = mx.concatenate([block[i][0] for block in found], axis=2).astype(dtype)
+            values = mx.concatenate([block[i][1] for block in found], axis=2).astype(dtype)
+            layer.state = (keys, values, keys.shape[2])
+        return cache, len(found) * self.block_size
+
+    def store(self, cache: Sequence[KVCache], prompt: Sequence[int]) -> None:
+        """Keep the prompt's full blocks that `cache` (holding all but the last token) computed."""
+        if not self.supported:
+            return
+        for block_hash, parent, start, tokens in self._usable(prompt):
+            if block_hash in self.memory:
+                continue
+            end = start + len(tokens)
+            layers = [
+                (mx.contiguous(layer.keys[..., start:end, :]), mx.contiguous(layer.values[..., start:end, :]))
+                for layer in cache
+            ]
+            mx.eval(layers)
+            size = sum(k.nbytes + v.nbytes for k, v in layers)
+            self.memory.put(block_hash, layers, size)
+            if self.folder is not None and not self.folder.contains(self.fingerprint, block_hash):
+                wire = tuple(
+                    (to_wire(k[0].transpose(1, 0, 2)), to_wire(v[0].transpose(1, 0, 2))) for k, v in layers
+                )
+                self.folder.write(KVBlock(self.fingerprint, block_hash, parent, start, tokens, wire))
