@@ -67,3 +67,19 @@ def test_prefill_instance_is_returned_and_never_chosen_for_decode():
 def test_only_a_prefill_instance_is_no_route():
     state = state_of(*ready("p", role="prefill"))
     assert route(state, REQUEST, {}).error == "no ready instance of m"
+
+
+def test_a_cached_prefix_outweighs_a_little_load():
+    state = state_of(*ready("a", node="n1"), *ready("b", node="n2"))
+    long_prompt = RouteRequest(request_id="r", model_id="m", prompt_tokens=2000)
+    # n2 holds 1,792 of the 2,000 prompt tokens: 300 tokens of load there cost less than prefilling
+    reply = route(state, long_prompt, {"a": 0, "b": 300}, cached={"n2": 1792}, tier2_tokens=1792)
+    assert reply.instance_id == "b"
+    assert "1792 of 2000 prompt tokens cached in memory" in reply.reason
+    assert "object storage holds 1792" in reply.reason
+
+
+def test_a_cache_hit_does_not_beat_a_much_busier_instance():
+    state = state_of(*ready("a", node="n1"), *ready("b", node="n2"))
+    long_prompt = RouteRequest(request_id="r", model_id="m", prompt_tokens=2000)
+    assert route(state, long_prompt, {"a": 0, "b": 5000}, cached={"n2": 1792}).instance_id == "a"

@@ -27,6 +27,7 @@ class GenerateTask(Frozen, tag_field="kind", tag="generate"):
     sampling: SamplingParams = SamplingParams()
     # Block hashes of the prompt (fleet_store.kv): lets the worker look up cached prefix KV.
     block_hashes: tuple[str, ...] = ()
+    kv_fingerprint: str = ""
 
 
 class GenerationOutput(Frozen):
@@ -95,6 +96,7 @@ class RouteRequest(Frozen):
     model_id: str
     prompt_tokens: int
     block_hashes: tuple[str, ...] = ()
+    kv_fingerprint: str = ""  # the model's, which the block hashes (and the KV index keys) are seeded with
 
 
 class RouteReply(Frozen):

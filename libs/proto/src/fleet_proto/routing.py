@@ -1,12 +1,18 @@
-"""Which instance serves a request: a pure function of State and load (KV-aware routing is issue 8).
+"""Which instance serves a request: a pure function of State, load and cached prefixes.
 
 The scheduler decides with it; the gateway uses it too when the scheduler does not answer.
 
 Candidates are the ready decode-capable instances of the requested model, else of another model with
 the same base model (e.g. an MLX 4-bit conversion of the same weights). MLX decode is preferred over
 vLLM decode when both exist (seed rule: MLX nodes are the bandwidth-strong decoders); among those
-the lowest load wins: load = tokens running + queued on the instance, as its worker last reported
-plus what was routed to it since. Ties go to the lowest instance id, so the choice is deterministic.
+the lowest cost wins, in tokens (Dynamo's router formula, prefill weight 1):
+
+    cost = load + (prompt tokens - prompt tokens whose KV the instance's node holds in memory)
+
+load = tokens running + queued on the instance, as its worker last reported plus what was routed to
+it since; the cached part comes from the KV block index (leading blocks per node). Ties go to the
+lowest instance id, so the choice is deterministic. The reason records the expected hit, and how
+much of the prompt object storage (tier 2) holds: any worker can fetch that, so it moves no choice.
 A ready `prefill` instance of the same base model is returned too, for disaggregation (issue 9).
 """
 
@@ -41,14 +47,31 @@ def _least_loaded(instances: list[Instance], load: Mapping[str, int]) -> Instanc
     return min(instances, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
 
 
-def route(state: State, request: RouteRequest, load: Mapping[str, int]) -> RouteReply:
+def route_cost(
+    instance: Instance, prompt_tokens: int, load: Mapping[str, int], cached: Mapping[str, int]
+) -> int:
+    return load.get(instance.instance_id, 0) + max(prompt_tokens - cached.get(instance.node_id, 0), 0)
+
+
+def route(
+    state: State,
+    request: RouteRequest,
+    load: Mapping[str, int],
+    cached: Mapping[str, int] | None = None,
+    tier2_tokens: int = 0,
+) -> RouteReply:
+    """cached: node id -> leading prompt tokens whose KV that node holds in memory."""
+    cached = cached or {}
     candidates = ready_instances(state, request.model_id)
     if not candidates:
         return RouteReply(error=f"no ready instance of {request.model_id}")
     preferred = [i for i in candidates if i.engine == PREFERRED_DECODE_ENGINE] or candidates
-    chosen = _least_loaded(preferred, load)
+    chosen = min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, cached), i.instance_id))
     tokens = load.get(chosen.instance_id, 0)
-    reason = f"least loaded of {len(preferred)} ready {chosen.engine} ({tokens} tokens)"
+    reason = f"least cost of {len(preferred)} ready {chosen.engine} (load {tokens} tokens"
+    reason += f", {cached.get(chosen.node_id, 0)} of {request.prompt_tokens} prompt tokens cached in memory)"
+    if tier2_tokens:
+        reason += f"; object storage holds {tier2_tokens}"
     if chosen.model_id != request.model_id:
         reason += f", same base model as {request.model_id}"
     prefill = ready_instances(state, request.model_id, roles=("prefill",))

@@ -120,6 +120,7 @@ class Generator:
                 prompt_token_ids=tuple(prompt_token_ids),
                 sampling=sampling,
                 block_hashes=hashes,
+                kv_fingerprint=kv_fingerprint,
             )
             await self._bus.publish_task(worker_id, task)
             async for chunk in reader.chunks():

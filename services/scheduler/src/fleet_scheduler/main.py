@@ -39,6 +39,7 @@ from fleet_runtime.service import ServiceContext, run
 from fleet_scheduler.leader import LeaderLease
 from fleet_scheduler.liveness import failover_events, timed_out_nodes
 from fleet_scheduler.placement import PlacementError, place, placement_options
+from fleet_store.kv_index import TIER2, KVIndex, cached_prefix_blocks, tokens_by_holder
 
 log = logging.getLogger("fleet_scheduler")
 LIVENESS_CHECK_S = 1.0
@@ -159,8 +160,27 @@ async def main(ctx: ServiceContext) -> None:
     metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=on_metrics)
     ctx.on_shutdown(metrics_sub.unsubscribe)
 
+    kv_index = KVIndex(client)
+    block_size = ctx.settings.kv_block_size
+
+    async def cached_prefixes(request: RouteRequest) -> tuple[dict[str, int], int]:
+        """Per node, the request's leading prompt tokens in memory there; and those in object storage.
+        Without the index (Redis down, no hashes) routing falls back to load alone."""
+        if not request.block_hashes or not request.kv_fingerprint:
+            return {}, 0
+        try:
+            holders = await asyncio.wait_for(
+                kv_index.holders(request.kv_fingerprint, request.block_hashes), 0.2
+            )
+        except Exception as exc:
+            log.warning("KV index lookup failed, routing by load only: %s", exc)
+            return {}, 0
+        tokens = tokens_by_holder(cached_prefix_blocks(holders), block_size)
+        return tokens, tokens.pop(TIER2, 0)
+
     async def on_route(request: RouteRequest):
-        reply = route(ctx.follower.state, request, tracker.load())
+        cached, tier2 = await cached_prefixes(request)
+        reply = route(ctx.follower.state, request, tracker.load(), cached, tier2)
         if reply.instance_id:
             tracker.on_routed(reply.instance_id, request.prompt_tokens)
         decided = RouteDecided(

@@ -1,0 +1,100 @@
+"""The KV block index in Redis: which workers hold a block in memory, and whether object storage has it.
+
+One Redis set per block, `fleet:kv:<fingerprint>:<block_hash>`, whose members are node ids (tier 1:
+that worker's engine memory) and `TIER2` (the blob is in `fleet-kv/<fingerprint>/<block_hash>`).
+Every write refreshes the key's TTL, so blocks nobody touches age out; a deployment bounds the
+index's size with Redis' maxmemory / allkeys-lru. Lookups of a prompt's blocks are one pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import redis.asyncio as aioredis
+
+TIER2 = "s3"
+KEY_PREFIX = "fleet:kv:"
+DEFAULT_TTL_S = 24 * 3600
+
+
+def block_key(fingerprint: str, block_hash: str) -> str:
+    return f"{KEY_PREFIX}{fingerprint}:{block_hash}"
+
+
+def object_key(fingerprint: str, block_hash: str) -> str:
+    """The block's blob in the KV bucket."""
+    return f"{fingerprint}/{block_hash}"
+
+
+def leading_run(holders: Sequence[set[str]], member: str) -> int:
+    """How many blocks, from the first, `member` holds without a gap (a prefix is only usable whole)."""
+    count = 0
+    for held_by in holders:
+        if member not in held_by:
+            break
+        count += 1
+    return count
+
+
+def cached_prefix_blocks(holders: Sequence[set[str]]) -> dict[str, int]:
+    """Per holder (node ids and TIER2): the leading blocks of the prompt it holds."""
+    members = set().union(*holders) if holders else set()
+    return {member: run for member in members if (run := leading_run(holders, member))}
+
+
+class KVIndex:
+    def __init__(self, client: aioredis.Redis, ttl_s: int = DEFAULT_TTL_S) -> None:
+        self._redis = client
+        self._ttl_s = ttl_s
+
+    @classmethod
+    def from_url(cls, url: str, ttl_s: int = DEFAULT_TTL_S) -> KVIndex:
+        return cls(aioredis.from_url(url, socket_connect_timeout=2, socket_timeout=2), ttl_s)
+
+    async def add(self, fingerprint: str, hashes: Sequence[str], member: str) -> None:
+        if not hashes:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for block_hash in hashes:
+                key = block_key(fingerprint, block_hash)
+                pipe.sadd(key, member)
+                pipe.expire(key, self._ttl_s)
+            await pipe.execute()
+
+    async def remove(self, fingerprint: str, hashes: Sequence[str], member: str) -> None:
+        if not hashes:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for block_hash in hashes:
+                pipe.srem(block_key(fingerprint, block_hash), member)
+            await pipe.execute()
+
+    async def holders(self, fingerprint: str, hashes: Sequence[str]) -> list[set[str]]:
+        if not hashes:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for block_hash in hashes:
+                pipe.smembers(block_key(fingerprint, block_hash))
+            replies = await pipe.execute()
+        return [{m.decode() if isinstance(m, bytes) else m for m in reply} for reply in replies]
+
+    async def summary(self, limit: int = 100_000) -> dict[str, int]:
+        """Blocks indexed per holder (node ids and TIER2), scanning at most `limit` keys."""
+        counts: dict[str, int] = {"blocks": 0}
+        seen = 0
+        async for key in self._redis.scan_iter(match=f"{KEY_PREFIX}*", count=1000):
+            seen += 1
+            if seen > limit:
+                break
+            counts["blocks"] += 1
+            for member in await self._redis.smembers(key):
+                name = member.decode() if isinstance(member, bytes) else member
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def tokens_by_holder(blocks: Mapping[str, int], block_size: int) -> dict[str, int]:
+    return {member: count * block_size for member, count in blocks.items()}
