@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import uuid
 
-from fleet_store.kv_index import TIER2, KVIndex, block_key, cached_prefix_blocks, leading_run, tokens_by_holder
+from fleet_store.kv_index import (
+    TIER2,
+    KVIndex,
+    block_key,
+    cached_prefix_blocks,
+    leading_run,
+    tokens_by_holder,
+)
 
 
 def test_only_an_unbroken_leading_run_counts() -> None:
