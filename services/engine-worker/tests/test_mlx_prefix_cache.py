@@ -48,8 +48,8 @@ def test_memory_hits_reuse_the_prefix_and_decode_like_a_cold_run(model_dir: Path
         cold, final = run(engine, [request("a1", PROMPT_A, greedy(12))])
         assert cold["a1"] == reference_greedy(reference, PROMPT_A, 12)
         assert final["a1"].prefix_cached_tokens == 0
-        stored, evicted = engine.take_kv_changes()
-        assert len(stored) == 3 and evicted == []
+        changes = engine.take_kv_changes()
+        assert len(changes.in_memory) == 3 and changes.evicted == () and changes.written == ()
 
         warm, final = run(engine, [request("a2", PROMPT_A, greedy(12))])
         assert final["a2"].prefix_cached_tokens == 96 and warm["a2"] == cold["a1"]
@@ -71,6 +71,7 @@ def test_blocks_in_the_kv_folder_are_used_by_another_engine(
     first = kv_engine(model_dir, kv_dir=str(tmp_path))
     try:
         cold, _ = run(first, [request("a", PROMPT_A, greedy(12))])
+        assert len(first.take_kv_changes().written) == 3  # for the worker to upload
     finally:
         first.close()
     fingerprint = folder_fingerprint(model_dir)

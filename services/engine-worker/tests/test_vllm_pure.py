@@ -11,7 +11,7 @@ from fleet_store import ManifestFile, ModelManifest
 from fleet_store.kv import manifest_fingerprint, model_fingerprint
 from fleet_worker.engines.vllm_paged import ProbedPositions, SplitLastDim
 from fleet_worker.engines.vllm_sampling import emitted_tokens, vllm_sampling_kwargs
-from fleet_worker.instances import EngineOptionsError, engine_options, parse_engine_options
+from fleet_worker.instances import EngineOptionsError, KVSettings, engine_options, parse_engine_options
 
 
 def test_sampling_maps_like_the_seed() -> None:
@@ -102,3 +102,15 @@ def test_a_kv_engine_gets_the_fingerprint_of_its_manifest() -> None:
     options = engine_options({"vllm": {"kv_dir": "/kv"}}, "vllm", manifest)
     assert options == {"kv_dir": "/kv", "kv_fingerprint": manifest_fingerprint(manifest)}
     assert engine_options({"vllm": {"kv_dir": "/kv"}}, "mlx", manifest) == {}
+
+
+def test_every_engine_gets_the_shared_kv_settings_and_configured_options_win() -> None:
+    manifest = ModelManifest(model_id="m", revision="main", source="t", files=(), config={}, created_at=0)
+    kv = KVSettings(folder="/state/kv", block_size=256, memory_bytes=1 << 30)
+    mlx = engine_options({}, "mlx", manifest, kv)
+    assert mlx == {
+        "kv_dir": "/state/kv", "kv_block_size": 256, "kv_memory_bytes": 1 << 30,
+        "kv_fingerprint": manifest_fingerprint(manifest),
+    }  # fmt: skip
+    vllm = engine_options({"vllm": {"kv_block_size": 512}}, "vllm", manifest, kv)
+    assert vllm["kv_block_size"] == 512 and "kv_memory_bytes" not in vllm

@@ -44,6 +44,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Tokens per KV block (fleet_store.kv): the gateway hashes prompts in blocks of this size and the
     # workers' engines keep and share KV by the same blocks. Every service must agree on it.
     kv_block_size: int = 256
+    # An MLX engine's tier-1 budget: finished prompt blocks kept in its memory (0: none).
+    kv_memory_bytes: int = 1 << 30
     # Options per engine for the instances a worker loads, as JSON: {"vllm": {"kv_cache_bytes": 268435456}}
     # (the keyword arguments of that engine's class: fleet_worker/engines/).
     engine_options: str = ""

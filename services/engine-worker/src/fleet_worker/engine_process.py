@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from fleet_worker.engines.base import Engine, EngineOutput, EngineRequest, load_engine
+from fleet_worker.engines.base import Engine, EngineOutput, EngineRequest, KVChanges, load_engine
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
@@ -52,6 +52,7 @@ class LoadFailed(msgspec.Struct, frozen=True, tag=True):
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):
     outputs: list[EngineOutput]
+    kv: KVChanges = KVChanges()
 
 
 ToChild = Submit | Cancel | Shutdown
@@ -116,8 +117,9 @@ def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder) -
                     )
                 )
         outputs += engine.step()
-        if outputs:
-            conn.send_bytes(encoder.encode(Outputs(outputs=outputs)))
+        kv = engine.take_kv_changes()
+        if outputs or kv:
+            conn.send_bytes(encoder.encode(Outputs(outputs=outputs, kv=kv)))
 
 
 class EngineProcess:
@@ -135,6 +137,8 @@ class EngineProcess:
         self._exited = asyncio.Event()
         self._stopping = False
         self.load_time_s = 0.0
+        # Called on the loop with each step's KV changes (set by whoever indexes this engine's blocks).
+        self.on_kv_changes: Callable[[KVChanges], None] | None = None
 
     @classmethod
     async def start(
@@ -259,6 +263,8 @@ class EngineProcess:
                 message = self._decoder.decode(self._conn.recv_bytes())
                 if isinstance(message, Outputs):
                     self._deliver(message.outputs)
+                    if message.kv and self.on_kv_changes is not None:
+                        self.on_kv_changes(message.kv)
         except (EOFError, OSError):
             self._loop.remove_reader(self._conn.fileno())  # _on_exit finishes up on the sentinel
 

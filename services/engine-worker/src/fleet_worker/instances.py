@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from fleet_store.kv import manifest_fingerprint
 from fleet_store.layers import files_for_layers
 from fleet_worker.engine_process import EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest
+from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
 
 log = logging.getLogger("fleet_worker")
@@ -63,12 +65,26 @@ def parse_engine_options(raw: str) -> dict[str, dict[str, Any]]:
     return options
 
 
+@dataclass(frozen=True)
+class KVSettings:
+    """What every engine here gets for the shared KV cache (FLEET_KV_* settings)."""
+
+    folder: str  # the local KV folder: blocks fetched from object storage, blocks to upload
+    block_size: int
+    memory_bytes: int  # tier 1 budget of an MLX engine (vLLM manages its own pages)
+
+
 def engine_options(
-    configured: dict[str, dict[str, Any]], engine: str, manifest: ModelManifest
+    configured: dict[str, dict[str, Any]], engine: str, manifest: ModelManifest, kv: KVSettings | None = None
 ) -> dict[str, Any]:
-    """The options an instance's engine gets: the configured ones, and the model's KV fingerprint
-    from its manifest when the engine keeps KV blocks (no re-hashing of the weights on the node)."""
-    options = dict(configured.get(engine, {}))
+    """The options an instance's engine gets: the shared-KV ones (the model's fingerprint from its
+    manifest: no re-hashing of the weights on the node), then the configured ones, which win."""
+    options: dict[str, Any] = {}
+    if kv is not None:
+        options = {"kv_dir": kv.folder, "kv_block_size": kv.block_size}
+        if engine == "mlx":
+            options["kv_memory_bytes"] = kv.memory_bytes
+    options |= configured.get(engine, {})
     if options.get("kv_dir") and not options.get("kv_fingerprint"):
         options["kv_fingerprint"] = manifest_fingerprint(manifest)
     return options
@@ -98,9 +114,11 @@ class LoadProgressReporter:
 
 
 class RunningInstance:
-    def __init__(self, instance: Instance, engine: EngineProcess) -> None:
+    def __init__(self, instance: Instance, engine: EngineProcess, kv_fingerprint: str = "") -> None:
         self.instance = instance
         self.engine = engine
+        self.kv_fingerprint = kv_fingerprint
+        self.fetched: dict[str, list[Path]] = {}  # request -> KV files fetched for it
         self.next_index: dict[str, int] = {}  # in-flight request -> next chunk index
         self.prompt_tokens: dict[str, int] = {}  # in-flight request -> its prompt length
         self.generated: dict[str, int] = {}  # request -> tokens so far (absent: still queued)
@@ -137,9 +155,13 @@ class InstanceManager:
         store: ObjectStore,
         cache: ModelCache,
         options: dict[str, dict[str, Any]] | None = None,
+        kv: WorkerKV | None = None,
+        kv_settings: KVSettings | None = None,
     ) -> None:
         self._ctx = ctx
         self._options = options or {}
+        self._kv = kv
+        self._kv_settings = kv_settings
         self._node_id = node_id
         self._store = store
         self._cache = cache
@@ -189,14 +211,17 @@ class InstanceManager:
             await self._status(iid, InstanceStatus.DOWNLOADING, 0.0)
             manifest, folder = await self._fetch(instance)
             await self._loading_progress(iid, 0.0)
-            options = engine_options(self._options, instance.engine, manifest)
+            options = engine_options(self._options, instance.engine, manifest, self._kv_settings)
             progress = LoadProgressReporter(lambda fraction: self._loading_progress(iid, fraction))
             engine = await EngineProcess.start(
                 instance.engine, folder, options, LOAD_TIMEOUT_S, on_progress=progress.report
             )
             await progress.flush()
             await self._status(iid, InstanceStatus.WARMING, 0.0)
-            running = RunningInstance(instance, engine)
+            running = RunningInstance(instance, engine, options.get("kv_fingerprint", ""))
+            if self._kv is not None and running.kv_fingerprint:
+                kv, fingerprint = self._kv, running.kv_fingerprint
+                engine.on_kv_changes = lambda changes: kv.on_engine_changes(fingerprint, changes)
             running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
             await self._warm_up(running)
         except asyncio.CancelledError:  # unloaded (deleted or moved) while loading
@@ -315,6 +340,8 @@ class InstanceManager:
             index = running.next_index.get(output.request_id, 0)
             if output.finish_reason:
                 running.finish(output.request_id)
+                if self._kv is not None:
+                    self._kv.release(running.fetched.pop(output.request_id, []))
             else:
                 running.next_index[output.request_id] = index + 1
                 running.generated[output.request_id] = output.completion_tokens
@@ -334,6 +361,9 @@ class InstanceManager:
             await publish_chunk(self._ctx.bus, chunk)
             return
         running.start(task.request_id, len(task.prompt_token_ids))
+        if self._kv is not None and running.kv_fingerprint and task.block_hashes:
+            usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_settings.block_size]
+            running.fetched[task.request_id] = await self._kv.prefetch(running.kv_fingerprint, usable)
         running.engine.submit(
             EngineRequest(
                 request_id=task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling

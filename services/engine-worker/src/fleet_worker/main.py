@@ -7,6 +7,7 @@ has accepted them; tokens go back on core NATS `fleet.tok.<request_id>`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -17,9 +18,12 @@ from fleet_bus import consume_tasks
 from fleet_proto import CancelRequest, GenerateTask, ModelDeleted, NodeJoined, NodeLeft, ServiceKind
 from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
-from fleet_store import ObjectStore
+from fleet_store import KV_BUCKET, ObjectStore, StoreError
+from fleet_store.kv import KVFolder
+from fleet_store.kv_index import KVIndex
 from fleet_worker.gpu import NvmlReader
-from fleet_worker.instances import InstanceManager, parse_engine_options
+from fleet_worker.instances import InstanceManager, KVSettings, parse_engine_options
+from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
 from fleet_worker.probe import Overrides, node_id_from, node_info, node_metrics
 
@@ -71,7 +75,15 @@ async def main(ctx: ServiceContext) -> None:
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 
     cache = ModelCache(model_dir, settings.model_cache_bytes, on_change=announce)
-    manager = InstanceManager(ctx, node_id, store, cache, parse_engine_options(settings.engine_options))
+    kv_settings = KVSettings(
+        str(Path(settings.state_dir) / "kv"), settings.kv_block_size, settings.kv_memory_bytes
+    )
+    with contextlib.suppress(StoreError):  # the downloader creates it too; serving does not need it
+        await asyncio.to_thread(store.ensure_bucket, KV_BUCKET)
+    kv = WorkerKV(node_id, store, KVIndex.from_url(settings.redis_url), KVFolder(kv_settings.folder))
+    manager = InstanceManager(
+        ctx, node_id, store, cache, parse_engine_options(settings.engine_options), kv, kv_settings
+    )
     await announce()
 
     cancel_decoder = msgspec.json.Decoder(CancelRequest)
@@ -91,6 +103,7 @@ async def main(ctx: ServiceContext) -> None:
     async def leave() -> None:
         await cancel_sub.unsubscribe()
         await manager.close()
+        await kv.close()
         await cache.close()
         if gpus is not None:
             gpus.close()

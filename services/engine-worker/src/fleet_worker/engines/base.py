@@ -39,6 +39,17 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
 EngineOutput = GenerationOutput
 
 
+class KVChanges(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine's KV tiers did since it was last asked (the worker indexes and uploads by it)."""
+
+    in_memory: tuple[str, ...] = ()  # blocks now held in engine memory (tier 1)
+    evicted: tuple[str, ...] = ()  # blocks no longer held there
+    written: tuple[str, ...] = ()  # new blocks written to the local KV folder, for object storage
+
+    def __bool__(self) -> bool:
+        return bool(self.in_memory or self.evicted or self.written)
+
+
 class Engine(Protocol):
     def add(self, request: EngineRequest) -> None: ...
 
@@ -49,6 +60,8 @@ class Engine(Protocol):
     def step(self) -> list[EngineOutput]: ...
 
     def has_work(self) -> bool: ...
+
+    def take_kv_changes(self) -> KVChanges: ...
 
     def close(self) -> None: ...
 

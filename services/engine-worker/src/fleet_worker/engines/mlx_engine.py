@@ -52,6 +52,7 @@ from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder
 from fleet_worker.engines.base import (
     EngineOutput,
     EngineRequest,
+    KVChanges,
     LoadProgress,
     eos_token_ids,
     error_output,
@@ -314,9 +315,10 @@ class MlxEngine:
             prompts.prompt([r[:-1] for r in rest])
         if self._prefixes is not None:
             for i, sequence in enumerate(group):
-                self._prefixes.store(prompts.extract_cache(i), sequence.request.prompt_token_ids)
+                prompt = sequence.request.prompt_token_ids
+                if self._prefixes.has_new_blocks(prompt):  # extracting copies the sequence's whole KV
+                    self._prefixes.store(prompts.extract_cache(i), prompt)
         return prompts.generate([r[-1:] for r in rest])
 
-    def take_kv_changes(self) -> tuple[list[str], list[str]]:
-        """Blocks this engine started and stopped holding in memory since the last call."""
-        return self._prefixes.memory.take_changes() if self._prefixes is not None else ([], [])
+    def take_kv_changes(self) -> KVChanges:
+        return self._prefixes.take_changes() if self._prefixes is not None else KVChanges()

@@ -16,6 +16,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from fleet_store.kv import KVBlobError, KVBlock, KVFolder, WireTensor, decode_block, prompt_blocks
+from fleet_worker.engines.base import KVChanges
 from fleet_worker.engines.kv_memory import BlockMemory
 
 MLX_TO_WIRE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
@@ -107,6 +108,7 @@ class MlxPrefixStore:
         self.block_size = block_size
         self.folder = folder
         self.memory: BlockMemory[list[tuple[mx.array, mx.array]]] = BlockMemory(memory_bytes)
+        self._written: list[str] = []
         self.supported = all(type(layer) is KVCache for layer in make_prompt_cache(model))
 
     def _usable(self, prompt: Sequence[int]) -> list[tuple[str, str, int, tuple[int, ...]]]:
@@ -152,6 +154,10 @@ class MlxPrefixStore:
             layer.state = (keys, values, keys.shape[2])
         return cache, len(found) * self.block_size
 
+    def has_new_blocks(self, prompt: Sequence[int]) -> bool:
+        """Whether the prompt has full blocks this store does not hold yet."""
+        return self.supported and any(h not in self.memory for h, *_ in self._usable(prompt))
+
     def store(self, cache: Sequence[KVCache], prompt: Sequence[int]) -> None:
         """Keep the prompt's full blocks that `cache` (holding all but the last token) computed."""
         if not self.supported:
@@ -172,3 +178,9 @@ class MlxPrefixStore:
                     (to_wire(k[0].transpose(1, 0, 2)), to_wire(v[0].transpose(1, 0, 2))) for k, v in layers
                 )
                 self.folder.write(KVBlock(self.fingerprint, block_hash, parent, start, tokens, wire))
+                self._written.append(block_hash)
+
+    def take_changes(self) -> KVChanges:
+        in_memory, evicted = self.memory.take_changes()
+        written, self._written = self._written, []
+        return KVChanges(in_memory=tuple(in_memory), evicted=tuple(evicted), written=tuple(written))

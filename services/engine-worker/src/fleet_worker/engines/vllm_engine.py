@@ -34,6 +34,7 @@ from fleet_store.kv import DEFAULT_BLOCK_SIZE, folder_fingerprint
 from fleet_worker.engines.base import (
     EngineOutput,
     EngineRequest,
+    KVChanges,
     LoadProgress,
     eos_token_ids,
     error_output,
@@ -142,6 +143,9 @@ class VllmEngine:
         self.eos_token_ids = frozenset(eos_token_ids(model_dir))
         self._live: dict[str, _Sequence] = {}
         self._pending: list[EngineOutput] = []  # outputs decided outside step()
+        # The connector writes blocks here; the worker uploads and removes them (take_kv_changes).
+        self._kv_blocks = Path(kv_dir) / fingerprint if kv_dir else None
+        self._kv_reported: set[str] = set()
 
     def add(self, request: EngineRequest) -> None:
         prompt_len = len(request.prompt_token_ids)
@@ -213,6 +217,16 @@ class VllmEngine:
         tokens = emitted_tokens(new_tokens, finish_reason, sequence.stop_ids)
         cached = (result.num_cached_tokens or 0) if finish_reason else 0
         return sequence.output(tokens, finish_reason, cached)
+
+    def take_kv_changes(self) -> KVChanges:
+        """Blocks the connector wrote since the last call (vLLM's own prefix cache is not indexed: its
+        pages are vLLM's to evict, unseen)."""
+        if self._kv_blocks is None or not self._kv_blocks.is_dir():
+            return KVChanges()
+        present = {p.stem for p in self._kv_blocks.glob("*.safetensors")}
+        new = sorted(present - self._kv_reported)
+        self._kv_reported = present  # a block removed and written again is new again
+        return KVChanges(written=tuple(new))
 
     def close(self) -> None:
         if self._live:
