@@ -37,10 +37,12 @@ tiny_model = load_module(REPO / "services/engine-worker/tests/tiny_model.py")
 tiny_tokenizer = load_module(REPO / "services/gateway/tests/tiny_tokenizer.py")
 
 
-def make_chat_model(folder: Path, hidden: int = tiny_model.HIDDEN) -> Path:
+def make_chat_model(
+    folder: Path, hidden: int = tiny_model.HIDDEN, max_positions: int = tiny_model.MAX_POSITIONS
+) -> Path:
     """Tiny llama weights with the ChatML tokenizer (same special ids: 2 ends a turn); the vLLM tests
     use hidden 128 (head size 32, the kernel real models take)."""
-    tiny_model.make_tiny_llama(folder, hidden=hidden)
+    tiny_model.make_tiny_llama(folder, hidden=hidden, max_positions=max_positions)
     tiny_tokenizer.make_tiny_tokenizer_folder(folder)
     return folder
 
@@ -115,3 +117,21 @@ async def disconnect_mid_stream(manifest: stack.StackManifest, body: dict) -> tu
             await asyncio.sleep(0.05)
         last = max(tap.chunks[request_id], key=lambda c: c.index)
     return last, len(tap.token_ids(request_id))
+
+
+def mlx_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation on the same folder, in a separate process (MLX is per thread)."""
+    code = (
+        "import json, sys, mlx.core as mx\n"
+        "from mlx_lm import load\nfrom mlx_lm.generate import generate_step\n"
+        "model, _ = load(sys.argv[1]); prompt = json.loads(sys.argv[2]); n = int(sys.argv[3])\n"
+        "sampler = lambda logits: mx.argmax(logits, axis=-1)\n"
+        "steps = generate_step(mx.array(prompt), model, sampler=sampler)\n"
+        "out = [int(t) for (t, _), _ in zip(steps, range(n))]\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir), json.dumps(prompt), str(max_tokens)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return json.loads(result.stdout.strip().splitlines()[-1])

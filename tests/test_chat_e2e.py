@@ -11,8 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +28,7 @@ from tests.support import (
     disconnect_mid_stream,
     embedded_stack,
     make_chat_model,
+    mlx_greedy,
     prompt_ids,
     tiny_tokenizer,
 )
@@ -52,24 +51,6 @@ def client(chat_stack) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=f"{chat_stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120
     )
-
-
-def mlx_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    """mlx-lm's own greedy generation on the same folder, in a separate process (MLX is per thread)."""
-    code = (
-        "import json, sys, mlx.core as mx\n"
-        "from mlx_lm import load\nfrom mlx_lm.generate import generate_step\n"
-        "model, _ = load(sys.argv[1]); prompt = json.loads(sys.argv[2]); n = int(sys.argv[3])\n"
-        "sampler = lambda logits: mx.argmax(logits, axis=-1)\n"
-        "steps = generate_step(mx.array(prompt), model, sampler=sampler)\n"
-        "out = [int(t) for (t, _), _ in zip(steps, range(n))]\n"
-        "print(json.dumps(out))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(model_dir), json.dumps(prompt), str(max_tokens)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_models_lists_the_ready_model(client):

@@ -28,7 +28,7 @@ EOS_EMBED_SCALE = 0.05  # a near-zero EOS row: greedy never picks EOS, so runs l
 LAYER_OUT_SCALE = 6.0
 
 
-def config(hidden: int = HIDDEN) -> dict:
+def config(hidden: int = HIDDEN, max_positions: int = MAX_POSITIONS) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -38,7 +38,7 @@ def config(hidden: int = HIDDEN) -> dict:
         "num_key_value_heads": KV_HEADS,
         "intermediate_size": INTERMEDIATE,
         "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
@@ -97,7 +97,9 @@ def build_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def make_tiny_llama(folder: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
+def make_tiny_llama(
+    folder: Path, seed: int = 0, hidden: int = HIDDEN, max_positions: int = MAX_POSITIONS
+) -> Path:
     """Write config.json, model.safetensors, tokenizer and generation config into `folder`; return it.
 
     `hidden` sets the head size (hidden / HEADS); vLLM tests use 32, the size class of real models.
@@ -105,14 +107,14 @@ def make_tiny_llama(folder: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(_weights(seed, hidden), str(folder / "model.safetensors"), metadata={"format": "pt"})
     files = {
-        "config.json": config(hidden),
+        "config.json": config(hidden, max_positions),
         "generation_config.json": {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID]},
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": "<s>",
             "eos_token": "</s>",
             "pad_token": "<pad>",
-            "model_max_length": MAX_POSITIONS,
+            "model_max_length": max_positions,
             "clean_up_tokenization_spaces": False,
         },
     }

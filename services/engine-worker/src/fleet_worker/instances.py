@@ -318,6 +318,8 @@ class InstanceManager:
         await running.engine.stop()
         if running.pump is not None:
             await asyncio.gather(running.pump, return_exceptions=True)
+        if self._kv is not None and running.kv_fingerprint:
+            await self._kv.forget(running.kv_fingerprint)
         log.info("instance %s unloaded", instance_id)
 
     async def remove_model(self, model_id: str) -> None:
@@ -350,6 +352,8 @@ class InstanceManager:
         if self._running.get(iid) is running:  # the engine died under us, not an unload
             self._running.pop(iid)
             self._release(running.instance)
+            if self._kv is not None and running.kv_fingerprint:
+                await self._kv.forget(running.kv_fingerprint)
             reason = "engine process exited unexpectedly"
             await self._publish(InstanceFailed(instance_id=iid, reason=reason, origin=self._ctx.service_id))
 

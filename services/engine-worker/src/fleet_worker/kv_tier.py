@@ -138,6 +138,12 @@ class WorkerKV:
             self._fetched.pop(path, None)
             path.unlink(missing_ok=True)
 
+    async def forget(self, fingerprint: str) -> None:
+        """An engine holding this model's blocks is gone: this node no longer holds them."""
+        held = self._in_memory.pop(fingerprint, set())
+        if held and self._index is not None:
+            await self._indexed(self._index.remove(fingerprint, sorted(held), self._node_id))
+
     async def close(self) -> None:
         for task in list(self._uploads):
             with contextlib.suppress(Exception):

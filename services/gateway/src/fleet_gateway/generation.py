@@ -101,6 +101,7 @@ class Generator:
                 model_id=model_id,
                 prompt_tokens=len(prompt_token_ids),
                 block_hashes=hashes,
+                kv_fingerprint=kv_fingerprint,
             )
         )
         if not decision.instance_id:
