@@ -203,7 +203,9 @@ async def test_prefill_once_fetch_from_object_storage_route_to_memory(two_worker
         client = s3_client(manifest)
         stat = client.stat_object("fleet-kv", object_key(fingerprint, shared[bad]))
         garbage = b"\0" * stat.size
-        sha = {SHA256_METADATA: stat.metadata.get(f"x-amz-meta-{SHA256_METADATA}", "")}
+        # the object keeps its sha256 metadata: the worker's verified download refuses it
+        (original,) = [v for k, v in stat.metadata.items() if k.lower().endswith(SHA256_METADATA.lower())]
+        sha = {SHA256_METADATA: original}
         client.put_object(
             "fleet-kv", object_key(fingerprint, shared[bad]), io.BytesIO(garbage), stat.size, metadata=sha
         )
@@ -226,5 +228,18 @@ async def test_prefill_once_fetch_from_object_storage_route_to_memory(two_worker
         assert cached >= system_blocks * BLOCK
         assert f"{cached} of {len(third_prompt)} prompt tokens cached in memory" in decided.reply.reason
         assert tokens == mlx_greedy(model_dir, third_prompt, 10)
+
+        # 4. what a user sees: GET /kv and the collector's Prometheus metrics
+        await asyncio.sleep(1.5)  # one metrics period
+        async with aiohttp.ClientSession() as session:
+            view = await call(session, "GET", f"{gateway}/kv")
+            async with session.get(manifest.metrics_url) as response:
+                metrics = await response.text()
+        assert view["block_size"] == BLOCK and view["index"]["available"]
+        assert view["index"]["object_storage_blocks"] >= len(shared)
+        assert view["index"]["memory_blocks_by_node"]["w2"] >= system_blocks
+        assert view["nodes"]["w2"]["fetched_blocks"] == bad and view["nodes"]["w2"]["fetched_bytes"] > 0
+        assert view["nodes"]["w1"]["uploaded_blocks"] >= len(shared)
+        assert f'fleet_kv_fetched_blocks_total{{node="w2"}} {float(bad)}' in metrics
     finally:
         await index.close()

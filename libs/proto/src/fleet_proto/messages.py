@@ -87,6 +87,13 @@ class NodeMetrics(Frozen):
     running_tokens: dict[str, int] = {}
     queued_tokens: dict[str, int] = {}
     gpus: tuple[GpuSample, ...] = ()
+    # The shared KV cache on this node: blocks its engines hold in memory (tier 1), and the blocks and
+    # bytes it fetched from / uploaded to object storage (tier 2) since it started.
+    kv_memory_blocks: int = 0
+    kv_fetched_blocks: int = 0
+    kv_fetched_bytes: int = 0
+    kv_uploaded_blocks: int = 0
+    kv_uploaded_bytes: int = 0
 
 
 class RouteRequest(Frozen):

@@ -44,6 +44,11 @@ class WorkerKV:
         self._uploads: set[asyncio.Task[None]] = set()
         self.bytes_fetched = 0
         self.blocks_fetched = 0
+        self.bytes_uploaded = 0
+        self.blocks_uploaded = 0
+
+    def memory_blocks(self) -> int:
+        return sum(len(held) for held in self._in_memory.values())
 
     async def _indexed(self, call) -> None:
         if self._index is None:
@@ -78,6 +83,8 @@ class WorkerKV:
                 log.warning("KV block %s not uploaded (kept locally): %s", block_hash, exc)
                 continue
             uploaded.append(block_hash)
+            self.blocks_uploaded += 1
+            self.bytes_uploaded += path.stat().st_size
             path.unlink(missing_ok=True)
         if uploaded and self._index is not None:
             await self._indexed(self._index.add(fingerprint, uploaded, TIER2))
@@ -104,7 +111,7 @@ class WorkerKV:
             path = self.folder.path(fingerprint, block_hash)
             async with limit:
                 try:
-                    info = await asyncio.to_thread(
+                    await asyncio.to_thread(
                         self._store.get_file, KV_BUCKET, object_key(fingerprint, block_hash), path
                     )
                 except ObjectNotFound:
@@ -112,8 +119,6 @@ class WorkerKV:
                 except StoreError as exc:  # IntegrityError included: nothing is left behind
                     log.warning("KV block %s not fetched, the engine recomputes it: %s", block_hash, exc)
                     return None
-            self.bytes_fetched += info.size
-            self.blocks_fetched += 1
             return path
 
         results = await asyncio.gather(*(fetch(h) for h in missing))
@@ -126,6 +131,8 @@ class WorkerKV:
                 path.unlink(missing_ok=True)
         for path in fetched:
             self._fetched[path] = self._fetched.get(path, 0) + 1
+            self.blocks_fetched += 1
+            self.bytes_fetched += path.stat().st_size
         return fetched
 
     def release(self, paths: Sequence[Path]) -> None:

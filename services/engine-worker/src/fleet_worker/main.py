@@ -35,6 +35,7 @@ async def publish_metrics(
     node_id: str,
     model_dir: Path,
     manager: InstanceManager,
+    kv: WorkerKV,
     overrides: Overrides,
     gpus: NvmlReader | None,
 ) -> None:
@@ -45,6 +46,11 @@ async def publish_metrics(
             active_requests=manager.active_requests(),
             running_tokens=manager.running_tokens(),
             queued_tokens=manager.queued_tokens(),
+            kv_memory_blocks=kv.memory_blocks(),
+            kv_fetched_blocks=kv.blocks_fetched,
+            kv_fetched_bytes=kv.bytes_fetched,
+            kv_uploaded_blocks=kv.blocks_uploaded,
+            kv_uploaded_bytes=kv.bytes_uploaded,
         )
         await ctx.bus.publish(metrics_subject(node_id), sample)
         await asyncio.sleep(METRICS_INTERVAL_S)
@@ -96,7 +102,7 @@ async def main(ctx: ServiceContext) -> None:
 
     cancel_sub = await ctx.bus.nc.subscribe("fleet.cancel.*", cb=on_cancel)
     task_decoder = msgspec.json.Decoder(GenerateTask)
-    ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, overrides, gpus), "node-metrics")
+    ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, kv, overrides, gpus), "node-metrics")
     ctx.spawn(follow_assignments(ctx, manager), "assignments")
     ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, manager.on_task), "tasks")
 

@@ -48,11 +48,18 @@ class NodeLiveness:
 
     def __init__(self) -> None:
         self._last_seen: dict[str, float] = {}
+        self._latest: dict[str, NodeMetrics] = {}
         self._decoder = msgspec.json.Decoder(NodeMetrics)
 
     async def on_metrics(self, msg: Msg) -> None:
         with contextlib.suppress(msgspec.ValidationError):
-            self._last_seen[self._decoder.decode(msg.data).node_id] = time.monotonic()
+            sample = self._decoder.decode(msg.data)
+            self._last_seen[sample.node_id] = time.monotonic()
+            self._latest[sample.node_id] = sample
+
+    def live_samples(self) -> list[NodeMetrics]:
+        """The latest metrics of every node heard from recently."""
+        return [s for node_id, s in self._latest.items() if self.alive(node_id)]
 
     def alive(self, node_id: str) -> bool:
         seen = self._last_seen.get(node_id)

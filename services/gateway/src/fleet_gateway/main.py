@@ -1,6 +1,6 @@
 """Gateway service: the HTTP APIs on FLEET_GATEWAY_HOST:FLEET_GATEWAY_PORT.
 
-/health, /state, /events; admin: /models, /instances; OpenAI: /v1/chat/completions, /v1/models.
+/health, /state, /events, /kv; admin: /models, /instances; OpenAI: /v1/chat/completions, /v1/models.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from fleet_gateway.admin import admin_routes
 from fleet_gateway.app import state_routes
 from fleet_gateway.errors import error_middleware
 from fleet_gateway.generation import Generator, NodeLiveness
+from fleet_gateway.kv_routes import kv_routes
 from fleet_gateway.models import ModelCatalog
 from fleet_gateway.openai_routes import openai_routes
 from fleet_proto import ServiceKind
 from fleet_runtime.health import health_handler, start_http
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
+from fleet_store.kv_index import KVIndex
 
 MAX_BODY_BYTES = 8 * 2**20
 
@@ -37,6 +39,8 @@ async def main(ctx: ServiceContext) -> None:
     app.add_routes(state_routes(ctx.follower))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
     app.add_routes(openai_routes(generator, catalog, ctx.follower))
+    kv_index = KVIndex.from_url(ctx.settings.redis_url)
+    app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(
         app, ctx.settings.gateway_host, ctx.settings.gateway_port, cancel_on_disconnect=True
     )
@@ -44,6 +48,7 @@ async def main(ctx: ServiceContext) -> None:
     async def close() -> None:
         await runner.cleanup()
         await metrics_sub.unsubscribe()
+        await kv_index.close()
         store.close()
 
     ctx.on_shutdown(close)

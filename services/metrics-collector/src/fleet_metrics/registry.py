@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fleet_proto import NodeMetrics
@@ -76,6 +76,18 @@ def node_families(samples: Iterable[NodeMetrics]) -> list[Metric]:
     gpu_temp = GaugeMetricFamily("fleet_gpu_temperature_celsius", "GPU temperature.", labels=gpu)
     gpu_power = GaugeMetricFamily("fleet_gpu_power_watts", "GPU power draw.", labels=gpu)
     gpu_mem = GaugeMetricFamily("fleet_gpu_memory_used_bytes", "GPU memory in use.", labels=gpu)
+    kv_memory = GaugeMetricFamily(
+        "fleet_kv_memory_blocks", "KV blocks the node's engines hold in memory (tier 1).", labels=node
+    )
+    kv_counters = {
+        field: CounterMetricFamily(f"fleet_kv_{field}", help_text, labels=node)
+        for field, help_text in (
+            ("fetched_blocks", "KV blocks fetched from object storage (tier 2)."),
+            ("fetched_bytes", "Bytes of KV blocks fetched from object storage."),
+            ("uploaded_blocks", "KV blocks uploaded to object storage."),
+            ("uploaded_bytes", "Bytes of KV blocks uploaded to object storage."),
+        )
+    }
 
     for s in sorted(samples, key=lambda m: m.node_id):
         n = s.node_id
@@ -83,6 +95,9 @@ def node_families(samples: Iterable[NodeMetrics]) -> list[Metric]:
         mem_avail.add_metric([n], s.memory_available_bytes)
         cpu.add_metric([n], cpu_ratio(s.cpu_percent))
         disk.add_metric([n], s.disk_free_bytes)
+        kv_memory.add_metric([n], getattr(s, "kv_memory_blocks", 0))
+        for field, family in kv_counters.items():
+            family.add_metric([n], getattr(s, f"kv_{field}", 0))
         for instance_id, value in sorted(s.active_requests.items()):
             active.add_metric([n, instance_id], value)
         for instance_id, value in sorted(s.queued_tokens.items()):
@@ -98,7 +113,8 @@ def node_families(samples: Iterable[NodeMetrics]) -> list[Metric]:
                 value = _get(g, field)
                 if _known(value):
                     family.add_metric(labels, float(value))
-    return [mem_used, mem_avail, cpu, disk, active, queued, gpu_util, gpu_temp, gpu_power, gpu_mem]
+    families = [mem_used, mem_avail, cpu, disk, active, queued, gpu_util, gpu_temp, gpu_power, gpu_mem]
+    return [*families, kv_memory, *kv_counters.values()]
 
 
 def cpu_ratio(cpu_percent: float) -> float:
