@@ -75,19 +75,32 @@ async def test_greedy_non_streamed_is_token_identical_to_mlx_lm(chat_stack, clie
     assert response.usage.total_tokens == len(prompt) + 12
 
 
-async def test_every_finished_request_publishes_its_stats(chat_stack, client):
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_finished_request_publishes_its_stats(chat_stack, client, stream: bool):
+    def complete() -> tuple[str, int]:
+        if not stream:
+            response = client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+            )
+            return response.id, response.usage.prompt_tokens
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+        return chunks[0].id, chunks[-1].usage.prompt_tokens
+
     bus = await Bus.connect(chat_stack.nats_url, "stats-reader")
     try:
         sub = await bus.nc.subscribe("fleet.stats.request")
         await bus.nc.flush()
-        response = await asyncio.to_thread(
-            client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
-        )
+        request_id, prompt_tokens = await asyncio.to_thread(complete)
         stats = json.loads((await sub.next_msg(timeout=10)).data)
     finally:
         await bus.close()
-    assert stats["request_id"] == response.id
-    assert (stats["prompt_tokens"], stats["completion_tokens"]) == (response.usage.prompt_tokens, 6)
+    assert stats["request_id"] == request_id
+    assert (stats["prompt_tokens"], stats["completion_tokens"]) == (prompt_tokens, 6)
     assert 0 < stats["ttft_s"] <= stats["total_s"]
     assert stats["tpot_s"] > 0
     assert stats["finish_reason"] == "length"

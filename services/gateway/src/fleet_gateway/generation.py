@@ -120,7 +120,6 @@ class Generator:
         await reader.open()
         finished = False
         first_token_at = 0.0
-        last: TokenChunk | None = None
         try:
             task = GenerateTask(
                 request_id=request_id,
@@ -135,7 +134,10 @@ class Generator:
                 finished = bool(chunk.finish_reason)
                 if chunk.token_ids and not first_token_at:
                     first_token_at = time.monotonic()
-                last = chunk
+                if finished:  # before the last chunk goes out: a streaming reader stops at it
+                    await self._publish_stats(
+                        request_id, model_id, decision, len(prompt_token_ids), started, first_token_at, chunk
+                    )
                 yield chunk
         finally:
             if not finished:  # client gone or stream broken: stop the engine's work too
@@ -144,10 +146,6 @@ class Generator:
                         self._bus.publish(cancel_subject(request_id), CancelRequest(request_id=request_id))
                     )
             await reader.close()
-        if finished and last is not None:
-            await self._publish_stats(
-                request_id, model_id, decision, len(prompt_token_ids), started, first_token_at, last
-            )
 
     async def _publish_stats(
         self,
