@@ -60,6 +60,7 @@ bench: install
 	$(BIN)/python bench/route_latency.py
 	$(BIN)/python bench/staging_throughput.py
 	$(if $(VLLM_CPU),$(BIN)/python bench/vllm_serving.py)
+	$(BIN)/python bench/kv_tiers.py
 
 docker:
 	docker compose build

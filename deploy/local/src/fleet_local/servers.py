@@ -145,6 +145,8 @@ def start_redis(root: Path, password: str = "", timeout_s: float = 20.0) -> Serv
     argv = [
         redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data),
         "--save", "60 1", "--appendonly", "no", "--daemonize", "no", "--unixsocket", "",
+        # The KV block index is what may be dropped under pressure: its keys carry TTLs, other data not.
+        "--maxmemory", "256mb", "--maxmemory-policy", "volatile-lru",
     ]  # fmt: skip
     if password:
         argv += ["--requirepass", password]
