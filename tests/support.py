@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -135,3 +137,33 @@ def mlx_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def worker_env(manifest: stack.StackManifest, node_id: str, state: Path, **fleet: str) -> dict[str, str]:
+    """The environment of an extra engine-worker joining `manifest`'s stack as `node_id`; `fleet`
+    adds FLEET_<NAME> settings (node_engines="mlx" -> FLEET_NODE_ENGINES=mlx)."""
+    servers = {p.name: p.url for p in manifest.processes}
+    return {
+        **os.environ,
+        "FLEET_NATS_URL": manifest.nats_url,
+        "FLEET_S3_ENDPOINT": servers["s3"],
+        "FLEET_REDIS_URL": servers["redis"],
+        "FLEET_STATE_DIR": str(state),
+        "FLEET_HEALTH_PORT": "0",
+        "FLEET_NODE_ID": node_id,
+        **{f"FLEET_{name.upper()}": value for name, value in fleet.items()},
+    }
+
+
+async def until_state(session: aiohttp.ClientSession, gateway: str, predicate, timeout_s: float) -> dict:
+    """GET /state until predicate(state) holds; fails with the instances and nodes seen last."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with session.get(f"{gateway}/state") as response:
+            state = await response.json()
+        if predicate(state):
+            return state
+        assert time.monotonic() < deadline, (
+            f"timed out; state: {state['instances']} nodes {list(state['nodes'])}"
+        )
+        await asyncio.sleep(0.2)

@@ -13,7 +13,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from fleet_proto import RouteDecided
 from fleet_store import SHA256_METADATA, ObjectStore, load_manifest
 from fleet_store.kv import block_hashes, manifest_fingerprint
 from fleet_store.kv_index import TIER2, KVIndex, leading_run, object_key
-from tests.support import TokenTap, make_chat_model, mlx_greedy, prompt_ids
+from tests.support import TokenTap, make_chat_model, mlx_greedy, prompt_ids, until_state, worker_env
 
 MODEL = "tiny/llama-long"
 BLOCK = 64
@@ -38,21 +37,6 @@ SYSTEM = " ".join(f"rule {n}: be kind to the number {n * 7 % 101}." for n in ran
 
 def conversation(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-
-
-def worker_env(manifest: stack.StackManifest, node_id: str, state: Path) -> dict:
-    servers = {p.name: p.url for p in manifest.processes}
-    return {
-        **os.environ,
-        "FLEET_NATS_URL": manifest.nats_url,
-        "FLEET_S3_ENDPOINT": servers["s3"],
-        "FLEET_REDIS_URL": servers["redis"],
-        "FLEET_STATE_DIR": str(state),
-        "FLEET_HEALTH_PORT": "0",
-        "FLEET_NODE_ID": node_id,
-        "FLEET_NODE_ENGINES": "mlx",
-        "FLEET_KV_BLOCK_SIZE": str(BLOCK),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +60,9 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[stac
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         worker = spawn(
-            [sys.executable, "-m", "fleet_worker"], root / "w2.log", worker_env(manifest, "w2", root / "w2")
+            [sys.executable, "-m", "fleet_worker"],
+            root / "w2.log",
+            worker_env(manifest, "w2", root / "w2", node_engines="mlx", kv_block_size=str(BLOCK)),
         )
         asyncio.run(stage(manifest.gateway_url, f"file://{model_dir}"))
         yield manifest, model_dir
@@ -92,20 +78,10 @@ async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict
         return await response.json()
 
 
-async def until(session: aiohttp.ClientSession, gateway: str, predicate, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = await call(session, "GET", f"{gateway}/state")
-        if predicate(state):
-            return state
-        assert time.monotonic() < deadline, f"timed out; instances {state['instances']}"
-        await asyncio.sleep(0.2)
-
-
 async def stage(gateway: str, source: str) -> None:
     async with aiohttp.ClientSession() as session:
         await call(session, "POST", f"{gateway}/models", {"model": MODEL, "source": source})
-        await until(session, gateway, lambda s: MODEL in s["models"] and len(s["nodes"]) == 2, 60)
+        await until_state(session, gateway, lambda s: MODEL in s["models"] and len(s["nodes"]) == 2, 60)
 
 
 async def serve_on(gateway: str, node: str) -> str:
@@ -115,7 +91,7 @@ async def serve_on(gateway: str, node: str) -> str:
         instance_id = (
             await call(session, "POST", f"{gateway}/instances", {"model": MODEL, "shards": shards})
         )["instance_id"]
-        await until(
+        await until_state(
             session, gateway, lambda s: s["instances"].get(instance_id, {}).get("status") == "ready", 120
         )
     return instance_id
@@ -124,7 +100,7 @@ async def serve_on(gateway: str, node: str) -> str:
 async def delete(gateway: str, instance_id: str) -> None:
     async with aiohttp.ClientSession() as session:
         await call(session, "DELETE", f"{gateway}/instances/{instance_id}")
-        await until(session, gateway, lambda s: instance_id not in s["instances"], 60)
+        await until_state(session, gateway, lambda s: instance_id not in s["instances"], 60)
 
 
 class Requests:

@@ -22,24 +22,9 @@ import pytest
 from fleet_bus import Bus
 from fleet_local import stack
 from fleet_local.processes import free_port, pid_alive, spawn, stop_pid
-from tests.support import MESSAGES, MODEL, make_chat_model
+from tests.support import MESSAGES, MODEL, make_chat_model, until_state, worker_env
 
 GiB = 2**30
-
-
-def worker_env(manifest: stack.StackManifest, node_id: str, memory: int, engines: str, state: Path) -> dict:
-    servers = {p.name: p.url for p in manifest.processes}
-    return {
-        **os.environ,
-        "FLEET_NATS_URL": manifest.nats_url,
-        "FLEET_S3_ENDPOINT": servers["s3"],
-        "FLEET_REDIS_URL": servers["redis"],
-        "FLEET_STATE_DIR": str(state),
-        "FLEET_HEALTH_PORT": "0",
-        "FLEET_NODE_ID": node_id,
-        "FLEET_NODE_MEMORY_BYTES": str(memory),
-        "FLEET_NODE_ENGINES": engines,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +52,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[stack.St
             proc = spawn(
                 [sys.executable, "-m", "fleet_worker"],
                 log,
-                worker_env(manifest, node_id, memory, engines, root / node_id),
+                worker_env(
+                    manifest, node_id, root / node_id, node_memory_bytes=str(memory), node_engines=engines
+                ),
             )
             workers[node_id] = proc.pid
         asyncio.run(stage(manifest.gateway_url, f"file://{model_dir}"))
@@ -82,20 +69,7 @@ async def stage(gateway: str, source: str) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{gateway}/models", json={"model": MODEL, "source": source}) as response:
             assert response.status == 202
-        await until(session, gateway, lambda s: MODEL in s["models"] and len(s["nodes"]) == 3, 60)
-
-
-async def until(session: aiohttp.ClientSession, gateway: str, predicate, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        async with session.get(f"{gateway}/state") as response:
-            state = await response.json()
-        if predicate(state):
-            return state
-        assert time.monotonic() < deadline, (
-            f"timed out; state: {state['instances']} nodes {list(state['nodes'])}"
-        )
-        await asyncio.sleep(0.2)
+        await until_state(session, gateway, lambda s: MODEL in s["models"] and len(s["nodes"]) == 3, 60)
 
 
 async def test_capabilities_list_the_engines_and_their_nodes(cluster):
@@ -136,7 +110,7 @@ async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(clus
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{gateway}/instances", json={"model": MODEL}) as response:
             instance_id = (await response.json())["instance_id"]
-        state = await until(
+        state = await until_state(
             session, gateway, lambda s: s["instances"].get(instance_id, {}).get("status") == "ready", 60
         )
         assert state["instances"][instance_id]["node_id"] == "w2"
@@ -154,12 +128,12 @@ async def test_instance_lands_on_the_best_node_then_fails_over_when_it_dies(clus
 
         os.killpg(workers["w2"], signal.SIGKILL)  # no goodbye: only the missing heartbeats tell
         killed = time.monotonic()
-        state = await until(session, gateway, lambda s: "w2" not in s["nodes"], 15)
+        state = await until_state(session, gateway, lambda s: "w2" not in s["nodes"], 15)
         detected_s = time.monotonic() - killed
         api_nodes = manifest.metrics_url.replace("/metrics", "/api/nodes")
         async with session.get(api_nodes) as response:  # the collector's live nodes follow State
             assert "w2" not in {n["node_id"] for n in (await response.json())["nodes"]}
-        state = await until(
+        state = await until_state(
             session, gateway, lambda s: s["instances"][instance_id]["node_id"] == "w1"
             and s["instances"][instance_id]["status"] == "ready", 60,
         )  # fmt: skip
@@ -177,7 +151,7 @@ async def test_an_explicit_placement_is_validated(cluster):
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{manifest.gateway_url}/instances", json=bad) as response:
             instance_id = (await response.json())["instance_id"]
-        state = await until(session, manifest.gateway_url, lambda s: instance_id in s["instances"], 10)
+        state = await until_state(session, manifest.gateway_url, lambda s: instance_id in s["instances"], 10)
     instance = state["instances"][instance_id]
     assert instance["status"] == "failed", instance
     assert "w3" in instance["reason"]
@@ -194,10 +168,12 @@ async def test_deleting_a_model_removes_it_from_storage_and_worker_caches(cluste
         for instance_id in instances:
             async with session.delete(f"{gateway}/instances/{instance_id}") as response:
                 assert response.status == 202
-        await until(session, gateway, lambda s: not s["instances"], 30)
+        await until_state(session, gateway, lambda s: not s["instances"], 30)
         async with session.delete(f"{gateway}/downloads/{MODEL}") as response:
             assert response.status == 202
-        await until(session, gateway, lambda s: MODEL not in s["models"] and MODEL not in s["downloads"], 30)
+        await until_state(
+            session, gateway, lambda s: MODEL not in s["models"] and MODEL not in s["downloads"], 30
+        )
         async with session.get(f"{gateway}/downloads") as response:
             assert MODEL not in await response.json()
         async with session.get(f"{gateway}/placements", params={"model": MODEL}) as response:
