@@ -34,6 +34,7 @@ from tests.support import (
     make_chat_model,
     mlx_greedy,
     prompt_ids,
+    until_state,
 )
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -189,15 +190,16 @@ async def test_kv_computed_by_vllm_is_reused_by_an_mlx_instance(vllm_stack, clie
         await index.close()
 
     async with aiohttp.ClientSession() as session:
-        async with session.post(
-            f"{vllm_stack.gateway_url}/instances", json={"model": MODEL, "engine": "mlx"}
-        ) as r:
-            mlx_instance = (await r.json())["instance_id"]
-        for _ in range(300):
-            state = await (await session.get(f"{vllm_stack.gateway_url}/state")).json()
-            if state["instances"][mlx_instance]["status"] == "ready":
-                break
-            await asyncio.sleep(0.2)
+        body = {"model": MODEL, "engine": "mlx"}
+        async with session.post(f"{vllm_stack.gateway_url}/instances", json=body) as response:
+            mlx_instance = (await response.json())["instance_id"]
+        # the instance appears in State once the scheduler has placed it
+        await until_state(
+            session,
+            vllm_stack.gateway_url,
+            lambda s: s["instances"].get(mlx_instance, {}).get("status") == "ready",
+            60,
+        )
     async with TokenTap(vllm_stack.nats_url) as tap:
         response = await greedy_chat(client, messages, 8)  # MLX is preferred for decode
     final = max(tap.chunks[response.id], key=lambda c: c.index)
