@@ -100,10 +100,9 @@ def test_block_memory_evicts_the_least_recently_used() -> None:
     memory: BlockMemory[str] = BlockMemory(budget_bytes=30)
     for name in "abc":
         memory.put(name, name.upper(), 10)
-    assert memory.leading(["a"]) == ["A"]  # a is now the most recently used
+    assert memory.get("a") == "A"  # a is now the most recently used
     memory.put("d", "D", 10)
     assert "b" not in memory and {"a", "c", "d"} <= {h for h in "acd" if h in memory}
     memory.put("huge", "H", 31)  # larger than the budget: never kept
     assert "huge" not in memory
     assert memory.take_changes() == (["a", "b", "c", "d"], ["b"])
-    assert memory.leading(["a", "x", "c"]) == ["A"]  # only an unbroken run from the first

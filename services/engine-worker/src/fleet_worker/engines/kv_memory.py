@@ -8,7 +8,6 @@ worker last asked (`take_changes`): the worker indexes this node's blocks by the
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 Value = TypeVar("Value")
@@ -34,16 +33,6 @@ class BlockMemory(Generic[Value]):
             return None
         self._blocks.move_to_end(block_hash)
         return entry[0]
-
-    def leading(self, hashes: Sequence[str]) -> list[Value]:
-        """The values of the longest run of `hashes` held, from the first (and refreshes them)."""
-        found = []
-        for block_hash in hashes:
-            value = self.get(block_hash)
-            if value is None:
-                break
-            found.append(value)
-        return found
 
     def put(self, block_hash: str, value: Value, size_bytes: int) -> None:
         """Keep a block; the least recently used ones go while the budget is exceeded. A block larger
