@@ -83,13 +83,20 @@ class TokenTap:
 
 @contextlib.contextmanager
 def embedded_stack(
-    state_dir: Path, model: str, model_dir: Path, engine: str = "", env: Mapping[str, str] | None = None
+    state_dir: Path,
+    model: str = "",
+    model_dir: Path | None = None,
+    engine: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[stack.StackManifest]:
-    """`fleet up --detach` serving `model` from `model_dir` (on `engine`), stopped by PID afterwards."""
+    """`fleet up --detach` serving `model` from `model_dir` (on `engine`; no model: `model` ""),
+    stopped by PID afterwards."""
     command = [
         sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
-        "--port", str(free_port()), "--model", model, "--model-source", f"file://{model_dir}",
+        "--port", str(free_port()), "--model", model,
     ]  # fmt: skip
+    if model:
+        command += ["--model-source", f"file://{model_dir}"]
     if engine:
         command += ["--engine", engine]
     up = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,12 +22,20 @@ from minio import Minio
 
 from fleet_bus import Bus
 from fleet_local import stack
-from fleet_local.processes import free_port, spawn, stop_pid
+from fleet_local.processes import spawn, stop_pid
 from fleet_proto import RouteDecided
 from fleet_store import SHA256_METADATA, ObjectStore, load_manifest
 from fleet_store.kv import block_hashes, manifest_fingerprint
 from fleet_store.kv_index import TIER2, KVIndex, leading_run, object_key
-from tests.support import TokenTap, make_chat_model, mlx_greedy, prompt_ids, until_state, worker_env
+from tests.support import (
+    TokenTap,
+    embedded_stack,
+    make_chat_model,
+    mlx_greedy,
+    prompt_ids,
+    until_state,
+    worker_env,
+)
 
 MODEL = "tiny/llama-long"
 BLOCK = 64
@@ -50,26 +57,17 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[stac
         "FLEET_NODE_ENGINES": "mlx",
         "FLEET_KV_BLOCK_SIZE": str(BLOCK),
     }
-    up = subprocess.run(
-        [sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(root / "state"),
-         "--port", str(free_port()), "--model", ""],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    manifest = stack.read_manifest(root / "state")
-    worker = None
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
+    with embedded_stack(root / "state", env=env) as manifest:
         worker = spawn(
             [sys.executable, "-m", "fleet_worker"],
             root / "w2.log",
             worker_env(manifest, "w2", root / "w2", node_engines="mlx", kv_block_size=str(BLOCK)),
         )
-        asyncio.run(stage(manifest.gateway_url, f"file://{model_dir}"))
-        yield manifest, model_dir
-    finally:
-        if worker is not None:
+        try:
+            asyncio.run(stage(manifest.gateway_url, f"file://{model_dir}"))
+            yield manifest, model_dir
+        finally:
             stop_pid(worker.pid)
-        stack.down(root / "state")
 
 
 async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict | None = None) -> dict:

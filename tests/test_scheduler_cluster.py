@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,8 +20,8 @@ import pytest
 
 from fleet_bus import Bus
 from fleet_local import stack
-from fleet_local.processes import free_port, pid_alive, spawn, stop_pid
-from tests.support import MESSAGES, MODEL, make_chat_model, until_state, worker_env
+from fleet_local.processes import pid_alive, spawn, stop_pid
+from tests.support import MESSAGES, MODEL, embedded_stack, make_chat_model, until_state, worker_env
 
 GiB = 2**30
 
@@ -38,31 +37,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[stack.St
         "FLEET_NODE_MEMORY_BYTES": str(2 * GiB),
         "FLEET_NODE_ENGINES": "mlx",
     }
-    up = subprocess.run(
-        [sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(root / "state"),
-         "--port", str(free_port()), "--model", ""],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    manifest = stack.read_manifest(root / "state")
     workers: dict[str, int] = {}
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        for node_id, memory, engines in (("w2", 6 * GiB, "mlx"), ("w3", 16 * GiB, "none")):
-            log = root / f"{node_id}.log"
-            proc = spawn(
-                [sys.executable, "-m", "fleet_worker"],
-                log,
-                worker_env(
-                    manifest, node_id, root / node_id, node_memory_bytes=str(memory), node_engines=engines
-                ),
-            )
-            workers[node_id] = proc.pid
-        asyncio.run(stage(manifest.gateway_url, f"file://{model_dir}"))
-        yield manifest, workers
-    finally:
-        for pid in workers.values():
-            stop_pid(pid)
-        stack.down(root / "state")
+    with embedded_stack(root / "state", env=env) as manifest:
+        try:
+            for node_id, memory, engines in (("w2", 6 * GiB, "mlx"), ("w3", 16 * GiB, "none")):
+                proc = spawn(
+                    [sys.executable, "-m", "fleet_worker"],
+                    root / f"{node_id}.log",
+                    worker_env(
+                        manifest, node_id, root / node_id, node_memory_bytes=str(memory), node_engines=engines
+                    ),
+                )
+                workers[node_id] = proc.pid
+            asyncio.run(stage(manifest.gateway_url, f"file://{model_dir}"))
+            yield manifest, workers
+        finally:
+            for pid in workers.values():
+                stop_pid(pid)
 
 
 async def stage(gateway: str, source: str) -> None:
