@@ -58,10 +58,54 @@ def test_same_base_model_serves_when_the_exact_model_has_no_instance():
     assert "same base model" in reply.reason
 
 
-def test_prefill_instance_is_returned_and_never_chosen_for_decode():
+LONG = RouteRequest(request_id="r", model_id="m", prompt_tokens=1500)
+
+
+def test_a_long_uncached_prompt_is_prefilled_by_the_prefill_instance():
+    state = state_of(*ready("p", role="prefill", engine="vllm"), *ready("d", role="decode"))
+    reply = route(state, LONG, {})
+    assert (reply.instance_id, reply.prefill_instance_id, reply.prefill_worker_id) == ("d", "p", "n-p")
+    assert "prefill on vllm p (1500 uncached tokens > 1000)" in reply.reason
+
+
+def test_a_short_prompt_is_prefilled_where_it_decodes():
     state = state_of(*ready("p", role="prefill", engine="vllm"), *ready("d", role="decode"))
     reply = route(state, REQUEST, {})
-    assert (reply.instance_id, reply.prefill_instance_id, reply.prefill_worker_id) == ("d", "p", "n-p")
+    assert (reply.instance_id, reply.prefill_instance_id) == ("d", "")
+
+
+def test_cached_tokens_do_not_count_towards_the_threshold():
+    state = state_of(*ready("p", role="prefill", engine="vllm"), *ready("d", role="decode", node="n1"))
+    assert route(state, LONG, {}, cached={"n1": 1024}).prefill_instance_id == ""
+    assert route(state, LONG, {}, tier2_tokens=1024).prefill_instance_id == ""
+    assert route(state, LONG, {}, disagg_min_tokens=100, tier2_tokens=1024).prefill_instance_id == "p"
+
+
+def test_the_request_can_force_or_forbid_remote_prefill():
+    state = state_of(*ready("p", role="prefill", engine="vllm"), *ready("d", role="decode"))
+    forced = RouteRequest(request_id="r", model_id="m", prompt_tokens=10, disaggregate="always")
+    assert route(state, forced, {}).prefill_instance_id == "p"
+    never = RouteRequest(request_id="r", model_id="m", prompt_tokens=5000, disaggregate="never")
+    assert route(state, never, {}).prefill_instance_id == ""
+
+
+def test_prefill_partner_prefers_role_prefill_then_vllm_then_least_load():
+    state = state_of(
+        *ready("d", role="decode"),
+        *ready("b1", role="both", engine="vllm"),
+        *ready("p1", role="prefill", engine="mlx"),
+        *ready("p2", role="prefill", engine="vllm"),
+        *ready("p3", role="prefill", engine="vllm"),
+    )
+    assert route(state, LONG, {"d": 0, "p2": 900, "p3": 10}).prefill_instance_id == "p3"
+    two_both = state_of(*ready("a", role="both"), *ready("b", role="both", engine="vllm"))
+    reply = route(two_both, LONG, {})
+    assert (reply.instance_id, reply.prefill_instance_id) == ("a", "b")
+
+
+def test_a_vllm_decoder_gets_no_remote_prefill():
+    state = state_of(*ready("v", role="decode", engine="vllm"), *ready("p", role="prefill"))
+    assert route(state, LONG, {}).prefill_instance_id == ""
 
 
 def test_only_a_prefill_instance_is_no_route():

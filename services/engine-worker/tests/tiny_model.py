@@ -98,16 +98,87 @@ def build_tiny_tokenizer() -> Tokenizer:
 
 
 def make_tiny_llama(
-    folder: Path, seed: int = 0, hidden: int = HIDDEN, max_positions: int = MAX_POSITIONS
+    folder: Path,
+    seed: int = 0,
+    hidden: int = HIDDEN,
+    max_positions: int = MAX_POSITIONS,
+    sliding_window: int = 0,
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer and generation config into `folder`; return it.
 
     `hidden` sets the head size (hidden / HEADS); vLLM tests use 32, the size class of real models.
+    `sliding_window` > 0 makes the first layer sliding-window attention over that many tokens
+    (mlx-lm gives it a RotatingKVCache), the second stays full attention.
     """
     folder.mkdir(parents=True, exist_ok=True)
     save_file(_weights(seed, hidden), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model_config = config(hidden, max_positions)
+    if sliding_window:
+        model_config |= {
+            "sliding_window": sliding_window,
+            "layer_types": ["sliding_attention"] + ["full_attention"] * (LAYERS - 1),
+        }
+    _write_support_files(folder, model_config, max_positions)
+    return folder
+
+
+def make_tiny_hybrid(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3-Next-style hybrid: gated-delta-net linear attention layers (conv and
+    recurrent state, mlx-lm's ArraysCache) alternating with full attention, dense MLPs.
+
+    Its weights come from mlx-lm's own module initialisation (scaled up so greedy has clear
+    winners), saved through numpy: the same bytes for the same seed. Imports mlx when called.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_next
+
+    model_config = {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HIDDEN // HEADS,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "num_experts": 0,
+        "num_experts_per_tok": 0,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 0,
+        "moe_intermediate_size": 0,
+        "mlp_only_layers": [0, 1, 2, 3],
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": True,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "torch_dtype": "float32",
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(model_config))
+    weights = {
+        name: np.array(value * 3 if value.ndim > 1 else value)
+        for name, value in tree_flatten(model.parameters())
+    }
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "mlx"})
+    _write_support_files(folder, model_config, MAX_POSITIONS)
+    return folder
+
+
+def _write_support_files(folder: Path, model_config: dict, max_positions: int) -> None:
     files = {
-        "config.json": config(hidden, max_positions),
+        "config.json": model_config,
         "generation_config.json": {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID]},
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -121,4 +192,3 @@ def make_tiny_llama(
     for name, content in files.items():
         (folder / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     build_tiny_tokenizer().save(str(folder / "tokenizer.json"))
-    return folder

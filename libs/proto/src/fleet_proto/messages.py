@@ -20,6 +20,21 @@ class SamplingParams(Frozen):
     logprobs: int = 0  # top-k logprobs per token, 0: none
 
 
+TRANSPORTS = ("auto", "stream", "staged")
+
+
+class PrefillPlan(Frozen):
+    """Prefill this request on another instance and decode it here (disaggregated serving).
+
+    transport: "stream" (a TCP connection to the prefill worker, chunks as layers are computed),
+    "staged" (chunks through object storage), "auto" (stream, else staged).
+    """
+
+    instance_id: str
+    worker_id: str
+    transport: str = "auto"
+
+
 class GenerateTask(Frozen, tag_field="kind", tag="generate"):
     request_id: str
     instance_id: str
@@ -28,6 +43,42 @@ class GenerateTask(Frozen, tag_field="kind", tag="generate"):
     # Block hashes of the prompt (fleet_store.kv): lets the worker look up cached prefix KV.
     block_hashes: tuple[str, ...] = ()
     kv_fingerprint: str = ""
+    prefill: PrefillPlan | None = None
+
+
+class HandoffStats(Frozen):
+    """How a disaggregated request's prompt KV reached its decoder (in its last output)."""
+
+    prefill_worker_id: str = ""
+    transport: str = ""  # "stream" | "staged" | "" (prefilled locally)
+    start_pos: int = 0  # prompt tokens the decoder already held: the handoff starts here
+    tokens: int = 0  # prompt tokens whose KV arrived
+    chunks: int = 0
+    bytes: int = 0
+    prefill_s: float = 0.0  # prefill request sent -> first chunk received
+    transfer_s: float = 0.0  # prefill request sent -> last chunk received
+    fallback: str = ""  # why the decoder prefilled locally after all ("" when the handoff worked)
+
+
+class PrefillRequest(Frozen):
+    """Decode worker -> prefill worker on `fleet.prefill.<worker>` (request/reply): compute the KV
+    of prompt tokens [start_pos, len - 1) and hand it over by `transport` ("stream" | "staged")."""
+
+    handoff_id: str
+    request_id: str
+    instance_id: str
+    prompt_token_ids: tuple[int, ...]
+    start_pos: int = 0
+    transport: str = "stream"
+    wire_dtype: str = ""  # safetensors dtype the decoder reads ("": as the prefill engine computes)
+
+
+class PrefillReply(Frozen):
+    """Accepted (the endpoints to connect to, fastest first, or the staged object prefix) or why not."""
+
+    endpoints: tuple[str, ...] = ()  # host:port
+    staged_prefix: str = ""  # object key prefix in the KV bucket
+    error: str = ""
 
 
 class GenerationOutput(Frozen):
@@ -43,6 +94,7 @@ class GenerationOutput(Frozen):
     decode_time_s: float = 0.0
     # Prompt tokens whose KV came from a cache (the engine's prefix cache or Fleet's KV tiers).
     prefix_cached_tokens: int = 0
+    handoff: HandoffStats | None = None  # disaggregated requests, in the last output
 
 
 class TokenChunk(GenerationOutput):
@@ -104,6 +156,9 @@ class RouteRequest(Frozen):
     prompt_tokens: int
     block_hashes: tuple[str, ...] = ()
     kv_fingerprint: str = ""  # the model's, which the block hashes (and the KV index keys) are seeded with
+    # Remote prefill: "auto" (when the uncached prompt is long enough), "always", "never".
+    disaggregate: str = "auto"
+    transport: str = "auto"
 
 
 class RouteReply(Frozen):
@@ -113,7 +168,7 @@ class RouteReply(Frozen):
     worker_id: str = ""
     reason: str = ""
     error: str = ""
-    # A separate prefill instance of the same base model, when one exists (disaggregation, issue 9).
+    # Prefill on this other instance of the same base model, when disaggregation pays off.
     prefill_instance_id: str = ""
     prefill_worker_id: str = ""
 

@@ -13,7 +13,12 @@ load = tokens running + queued on the instance, as its worker last reported plus
 it since; the cached part comes from the KV block index (leading blocks per node). Ties go to the
 lowest instance id, so the choice is deterministic. The reason records the expected hit, and how
 much of the prompt object storage (tier 2) holds: any worker can fetch that, so it moves no choice.
-A ready `prefill` instance of the same base model is returned too, for disaggregation (issue 9).
+
+Disaggregation: when the prompt part that the chosen decoder would have to compute (neither in its
+node's memory nor in object storage) is longer than `disagg_min_tokens` (the seed's 1,000), or the
+request asks for it, the prompt is prefilled on another ready instance of the same base model
+(role "prefill" first, then "both"; vLLM first, the compute-strong engine; then least loaded) and
+its KV handed to the decoder. Only engines that can take KV in (KV_IMPORT_ENGINES) decode that way.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from fleet_proto.state import State
 
 PREFERRED_DECODE_ENGINE = "mlx"
 DECODE_ROLES = ("both", "decode")
+PREFILL_ROLES = ("prefill", "both")
+DEFAULT_DISAGG_MIN_TOKENS = 1000
+KV_EXPORT_ENGINES = ("mlx", "vllm")  # engines that can prefill for another instance
+KV_IMPORT_ENGINES = ("mlx",)  # engines that can decode from handed-over KV
+PREFERRED_PREFILL_ENGINE = "vllm"
 
 
 def base_model(state: State, model_id: str) -> str:
@@ -43,14 +53,34 @@ def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE
     return [i for i in ready if base_model(state, i.model_id) == base]
 
 
-def _least_loaded(instances: list[Instance], load: Mapping[str, int]) -> Instance:
-    return min(instances, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
-
-
 def route_cost(
     instance: Instance, prompt_tokens: int, load: Mapping[str, int], cached: Mapping[str, int]
 ) -> int:
     return load.get(instance.instance_id, 0) + max(prompt_tokens - cached.get(instance.node_id, 0), 0)
+
+
+def prefill_partner(
+    state: State, model_id: str, decoder: Instance, load: Mapping[str, int]
+) -> Instance | None:
+    """The instance to prefill for `decoder`, or None when no other instance can."""
+    if decoder.engine not in KV_IMPORT_ENGINES:
+        return None
+    candidates = [
+        i
+        for i in ready_instances(state, model_id, roles=PREFILL_ROLES)
+        if i.instance_id != decoder.instance_id and i.engine in KV_EXPORT_ENGINES
+    ]
+    if not candidates:
+        return None
+    return min(
+        candidates,
+        key=lambda i: (
+            i.role != "prefill",
+            i.engine != PREFERRED_PREFILL_ENGINE,
+            load.get(i.instance_id, 0),
+            i.instance_id,
+        ),
+    )
 
 
 def route(
@@ -59,6 +89,7 @@ def route(
     load: Mapping[str, int],
     cached: Mapping[str, int] | None = None,
     tier2_tokens: int = 0,
+    disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
 ) -> RouteReply:
     """cached: node id -> leading prompt tokens whose KV that node holds in memory."""
     cached = cached or {}
@@ -74,14 +105,20 @@ def route(
         reason += f"; object storage holds {tier2_tokens}"
     if chosen.model_id != request.model_id:
         reason += f", same base model as {request.model_id}"
-    prefill = ready_instances(state, request.model_id, roles=("prefill",))
-    if not prefill:
-        return RouteReply(instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=reason)
-    prefiller = _least_loaded(prefill, load)
+    local = RouteReply(instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=reason)
+    if request.disaggregate == "never":
+        return local
+    uncached = request.prompt_tokens - max(cached.get(chosen.node_id, 0), tier2_tokens)
+    if request.disaggregate != "always" and uncached <= disagg_min_tokens:
+        return local
+    partner = prefill_partner(state, request.model_id, chosen, load)
+    if partner is None:
+        return local
+    why = "asked for" if request.disaggregate == "always" else f"{uncached} uncached tokens > {disagg_min_tokens}"
     return RouteReply(
         instance_id=chosen.instance_id,
         worker_id=chosen.node_id,
-        reason=reason + f"; prefill on {prefiller.instance_id}",
-        prefill_instance_id=prefiller.instance_id,
-        prefill_worker_id=prefiller.node_id,
+        reason=reason + f"; prefill on {partner.engine} {partner.instance_id} ({why})",
+        prefill_instance_id=partner.instance_id,
+        prefill_worker_id=partner.node_id,
     )

@@ -18,6 +18,8 @@ from fleet_proto.messages import (
     NodeMetrics,
     PlacementsReply,
     PlacementsRequest,
+    PrefillReply,
+    PrefillRequest,
     RequestStats,
     RouteDecided,
     RouteReply,
@@ -122,6 +124,10 @@ def cancel_subject(request_id: str) -> str:
     return f"fleet.cancel.{subject_token(request_id)}"
 
 
+def prefill_subject(worker_id: str) -> str:
+    return f"fleet.prefill.{subject_token(worker_id)}"
+
+
 def metrics_subject(node_id: str) -> str:
     return f"fleet.metrics.{subject_token(node_id)}"
 
@@ -172,6 +178,13 @@ CHANNELS: tuple[Channel, ...] = (
         reply=RouteReply,
         retention=Retention.CORE,
         description="Routing decision, gateway -> scheduler (request/reply).",
+    ),
+    Channel(
+        subject="fleet.prefill.{worker_id}",
+        messages=(PrefillRequest,),
+        reply=PrefillReply,
+        retention=Retention.CORE,
+        description="Remote prefill of one prompt, decode worker -> prefill worker (request/reply).",
     ),
     Channel(
         subject=ROUTE_DECIDED_SUBJECT,

@@ -7,6 +7,8 @@ gets its first token in the step that admits it) and returns what changed.
 Contract: add() never raises for a bad request (empty prompt, token id out of range...): the request
 ends with an "error" output at the next step(). Every added request gets exactly one final output
 (finish_reason set). SamplingParams.logprobs is not produced yet (the gateway refuses it).
+Disaggregation: a request with `export` is prefilled only and its KV written as handoff chunks;
+one with `kv_import` decodes from such chunks (engines without it refuse the request).
 Engines are named in a lazy registry so the worker never imports an engine it does not run; an
 entry also names the environment its engine needs before its module is imported (vLLM reads its
 settings at import). Constructors take the model folder, `on_load_progress(done, total)` (layers
@@ -29,10 +31,32 @@ from fleet_proto import SamplingParams
 from fleet_proto.messages import GenerationOutput
 
 
+class KVExport(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill only: write the KV of prompt tokens [start_pos, len - 1) as handoff chunks
+    (fleet_store.handoff) into `folder`, then finish with no tokens."""
+
+    folder: str
+    handoff_id: str
+    start_pos: int = 0
+    wire_dtype: str = ""  # "": the engine's own dtype
+
+
+class KVImport(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV of prompt tokens [start_pos, len - 1) arrived as a complete handoff in `folder`:
+    decode from it (the engine holds tokens [0, start_pos) itself). If the handoff cannot be used,
+    the engine prefills the prompt itself and says why in its last output's handoff.fallback."""
+
+    folder: str
+    handoff_id: str
+    start_pos: int = 0
+
+
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
+    export: KVExport | None = None
+    kv_import: KVImport | None = None
 
 
 # What step() returns per request: the wire TokenChunk without its sequence number.

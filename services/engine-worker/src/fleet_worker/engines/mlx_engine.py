@@ -26,6 +26,7 @@ vLLM's usage, completion_tokens counts it (it was generated). Output timings are
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -47,7 +48,8 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from fleet_proto import SamplingParams
+from fleet_proto import HandoffStats, SamplingParams
+from fleet_store.handoff import HandoffError, HandoffWriter, assemble, read_folder
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder
 from fleet_worker.engines.base import (
     EngineOutput,
@@ -58,7 +60,10 @@ from fleet_worker.engines.base import (
     error_output,
     request_problem,
 )
+from fleet_worker.engines.mlx_handoff import Export, apply_handoff, movable_problem
 from fleet_worker.engines.mlx_kv import MlxPrefixStore
+
+log = logging.getLogger("fleet_worker.mlx")
 
 Sampler = Callable[[mx.array], mx.array]
 CLEAR_CACHE_EVERY_STEPS = 256
@@ -98,6 +103,7 @@ class _Sequence:
     first_token_at: float = 0.0
     generated: int = 0  # tokens the model produced, a stop token included
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix store
+    fallback: str = ""  # why a handed-over KV could not be used (the prompt was prefilled here)
 
     def output(self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "") -> EngineOutput:
         decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
@@ -111,6 +117,7 @@ class _Sequence:
             prompt_time_s=self.prompt_time_s,
             decode_time_s=decode_time_s,
             prefix_cached_tokens=self.cached_tokens,
+            handoff=HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None,
         )
 
 
@@ -169,13 +176,22 @@ class MlxEngine:
         self._batch: GenerationBatch | None = None
         self._to_cancel: set[int] = set()
         self._pending: list[EngineOutput] = []  # outputs decided outside step()
+        # Prefill-only requests (disaggregation): one chunk of the head one per step.
+        self._export_queue: deque[EngineRequest] = deque()
+        self._export: Export | None = None
+        self._handoff_problem = movable_problem(make_prompt_cache(self.model))
 
     def add(self, request: EngineRequest) -> None:
         problem = request_problem(request, self.vocab_size)
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
+        if not problem:
+            problem = self._handoff_request_problem(request)
         if problem:
             self._pending.append(error_output(request, problem))
+            return
+        if request.export is not None:
+            self._export_queue.append(request)
             return
         params = request.sampling
         stop = self._eos_stop
@@ -193,7 +209,23 @@ class MlxEngine:
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
 
+    def _handoff_request_problem(self, request: EngineRequest) -> str:
+        spec = request.export or request.kv_import
+        if spec is None:
+            return ""
+        if self._handoff_problem:
+            return self._handoff_problem
+        if spec.start_pos and (self._prefixes is None or not self._prefixes.supported):
+            return "this engine keeps no prefix cache to continue a handoff from"
+        if not 0 <= spec.start_pos <= len(request.prompt_token_ids) - 1:
+            return f"handoff start {spec.start_pos} is outside the prompt"
+        return ""
+
     def cancel(self, request_id: str) -> None:
+        export = next((r for r in self._export_queue if r.request_id == request_id), None)
+        if export is not None or (self._export is not None and self._export.request_id == request_id):
+            self._end_export(request_id, "cancelled")
+            return
         sequence = self._live.get(request_id)
         if sequence is None:
             return  # already finished, or never known
@@ -205,7 +237,8 @@ class MlxEngine:
         self._pending.append(sequence.output(finish_reason="cancelled"))
 
     def has_work(self) -> bool:
-        return bool(self._pending or self._waiting or self._running)
+        busy = self._pending or self._waiting or self._running
+        return bool(busy or self._export_queue or self._export)
 
     def step(self) -> list[EngineOutput]:
         outputs, self._pending = self._pending, []
@@ -219,6 +252,8 @@ class MlxEngine:
                 admit.append(self._waiting.popleft())
             if admit:
                 outputs += self._admit(admit)
+            if self._export is not None or self._export_queue:
+                outputs += self._export_step()
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY_STEPS == 0:
             mx.clear_cache()
@@ -229,6 +264,8 @@ class MlxEngine:
         self._running.clear()
         self._waiting.clear()
         self._live.clear()
+        self._export_queue.clear()
+        self._export = None
         mx.clear_cache()
 
     def _finish(self, sequence: _Sequence) -> None:
@@ -287,14 +324,98 @@ class MlxEngine:
                 self._batch.extend(batch)
         return outputs
 
+    # -- disaggregation ----------------------------------------------------------------------------
+    def _start_export(self, request: EngineRequest) -> Export:
+        spec = request.export
+        assert spec is not None
+        prompt = list(request.prompt_token_ids)
+        cache, hit = make_prompt_cache(self.model), 0
+        if self._prefixes is not None:
+            cache, hit = self._prefixes.cache_for(prompt, self._dtype)
+        writer = HandoffWriter(spec.folder, spec.handoff_id)
+        return Export(
+            request.request_id, prompt, spec.start_pos, len(prompt) - 1, writer, spec.wire_dtype,
+            cache, position=hit, cached_tokens=hit, started_at=time.perf_counter(),
+        )
+
+    def _export_step(self) -> list[EngineOutput]:
+        """One prompt chunk of the head prefill-only request; its output once it is complete."""
+        if self._export is None:
+            request = self._export_queue.popleft()
+            try:
+                self._export = self._start_export(request)
+            except Exception as error:
+                return [error_output(request, _describe(error))]
+        export = self._export
+        try:
+            export.advance(self.model, self.prefill_step_size)
+        except Exception as error:
+            log.exception("prefill for handoff %s failed", export.writer.handoff_id)
+            return self._end_export(export.request_id, "error", _describe(error))
+        if not export.done:
+            return []
+        self._export = None
+        if self._prefixes is not None:
+            self._prefixes.store(export.cache, export.prompt)  # the next handoff of this prefix is cheaper
+        return [
+            EngineOutput(
+                request_id=export.request_id,
+                finish_reason="length",
+                prompt_tokens=len(export.prompt),
+                prompt_time_s=time.perf_counter() - export.started_at,
+                prefix_cached_tokens=export.cached_tokens,
+            )
+        ]
+
+    def _end_export(self, request_id: str, finish_reason: str, error: str = "") -> list[EngineOutput]:
+        """Stop a prefill-only request early: its handoff ends with an error chunk."""
+        if self._export is not None and self._export.request_id == request_id:
+            self._export.writer.error(error or finish_reason)
+            self._export = None
+        else:
+            request = next(r for r in self._export_queue if r.request_id == request_id)
+            self._export_queue.remove(request)
+            assert request.export is not None
+            HandoffWriter(request.export.folder, request.export.handoff_id).error(error or finish_reason)
+        output = EngineOutput(request_id=request_id, finish_reason=finish_reason, error=error)
+        if finish_reason == "cancelled":
+            self._pending.append(output)
+            return []
+        return [output]
+
+    def _imported_cache(self, sequence: _Sequence) -> tuple[list[Any], int] | None:
+        """The cache a handoff filled (all prompt tokens but the last), or None (then says why)."""
+        spec = sequence.request.kv_import
+        assert spec is not None
+        prompt = list(sequence.request.prompt_token_ids)
+        try:
+            kv = assemble(read_folder(spec.folder), spec.handoff_id, spec.start_pos)
+            if kv.end != len(prompt) - 1:
+                raise HandoffError(f"handoff ends at token {kv.end}, the prompt needs {len(prompt) - 1}")
+            cache, hit = make_prompt_cache(self.model), 0
+            if spec.start_pos:
+                assert self._prefixes is not None
+                cache, hit = self._prefixes.cache_for(prompt, self._dtype)
+                if hit < spec.start_pos:
+                    raise HandoffError(f"this engine holds {hit} prompt tokens, the handoff starts at {spec.start_pos}")
+            sequence.cached_tokens = spec.start_pos
+            return apply_handoff(cache, kv, self._dtype), kv.end
+        except HandoffError as error:
+            sequence.fallback = str(error)
+            log.warning("request %s: handoff not used, prefilling here: %s", sequence.request.request_id, error)
+            return None
+
     def _prefill(self, group: list[_Sequence]) -> GenerationBatch:
         caches, history, rest = [], [], []
         for sequence in group:
             prompt = list(sequence.request.prompt_token_ids)
+            imported = self._imported_cache(sequence) if sequence.request.kv_import else None
             cache, hit = make_prompt_cache(self.model), 0
-            if self._prefixes is not None:
+            if imported is not None:
+                cache, hit = imported
+            elif self._prefixes is not None:
                 cache, hit = self._prefixes.cache_for(prompt, self._dtype)
-            sequence.cached_tokens = hit
+                sequence.cached_tokens = hit
             caches.append(cache)
             history.append(prompt[:hit])
             rest.append(prompt[hit:])

@@ -1,0 +1,240 @@
+"""KV handoff chunks: the prefill -> decode format of disaggregated serving.
+
+A handoff moves one prompt's KV for tokens [start_pos, end) (end = prompt length - 1: the decoder
+feeds the last prompt token itself and samples from it) and, for layers whose cache is not
+position-addressed (sliding-window ring buffers, SSM conv / recurrent state), that whole state as
+of `end`. It travels as numbered chunks, each one safetensors blob (the container of KV blocks):
+
+- "kv": rows [token_start, token_end) of some layers, `layers.<i>.keys` / `layers.<i>.values`
+  as [tokens, kv_heads, head_dim] (an engine emits a chunk per layer as it is computed, or all
+  layers of a prefill chunk at once);
+- "state": the whole cache state of some layers, `layers.<i>.state.<j>`, with the cache class
+  and its meta state (mlx-lm's `meta_state` strings) in the metadata;
+- "done": the last chunk, naming the token range covered and the chunk count;
+- "error": the producer gave up; metadata says why.
+
+Every chunk names its handoff, kind and sequence number and carries the sha256 of its tensor
+bytes. In a folder or in object storage each chunk is `<seq:06d>.safetensors`; on a TCP stream
+each is preceded by its length (u32, big-endian). Engines write and read folders; the worker moves
+chunks between machines without looking inside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleet_store.kv import KVBlobError, WireTensor, deserialize_safetensors, serialize_safetensors
+
+FORMAT = "fleet-kv-handoff"
+VERSION = 1
+KINDS = ("kv", "state", "done", "error")
+FRAME_HEADER = struct.Struct(">I")
+MAX_CHUNK_BYTES = 1 << 31  # a larger length prefix is a corrupt stream, not a chunk
+
+
+class HandoffError(ValueError):
+    """A chunk or handoff that is corrupt, out of order, incomplete, or reports a failed prefill."""
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """One layer's non-positional cache state: arrays (None where the cache holds none yet)."""
+
+    cache_class: str
+    arrays: tuple[WireTensor | None, ...]
+    meta: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HandoffChunk:
+    handoff_id: str
+    seq: int
+    kind: str
+    token_start: int = 0
+    token_end: int = 0
+    kv: Mapping[int, tuple[WireTensor, WireTensor]] = field(default_factory=dict)
+    states: Mapping[int, LayerState] = field(default_factory=dict)
+    reason: str = ""  # error chunks
+
+    def encode(self) -> bytes:
+        tensors: dict[str, WireTensor] = {}
+        for layer, (keys, values) in sorted(self.kv.items()):
+            rows = self.token_end - self.token_start
+            if keys.shape[:1] != (rows,) or values.shape[:1] != (rows,):
+                raise HandoffError(f"layer {layer}: tensors do not have {rows} rows")
+            tensors[f"layers.{layer}.keys"] = keys
+            tensors[f"layers.{layer}.values"] = values
+        states = {}
+        for layer, state in sorted(self.states.items()):
+            present = []
+            for j, array in enumerate(state.arrays):
+                if array is not None:
+                    tensors[f"layers.{layer}.state.{j}"] = array
+                present.append(array is not None)
+            states[str(layer)] = {"class": state.cache_class, "meta": list(state.meta), "present": present}
+        metadata = {
+            "format": FORMAT,
+            "version": str(VERSION),
+            "handoff_id": self.handoff_id,
+            "seq": str(self.seq),
+            "kind": self.kind,
+            "token_start": str(self.token_start),
+            "token_end": str(self.token_end),
+            "states": json.dumps(states, separators=(",", ":")),
+            "reason": self.reason,
+            "data_sha256": _digest(tensors.values()),
+        }
+        return serialize_safetensors(tensors, metadata)
+
+
+def _digest(tensors) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.data)
+    return digest.hexdigest()
+
+
+def decode_chunk(data: bytes, handoff_id: str = "") -> HandoffChunk:
+    try:
+        tensors, meta = deserialize_safetensors(data)
+    except KVBlobError as error:
+        raise HandoffError(f"corrupt handoff chunk: {error}") from None
+    if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+        raise HandoffError(f"not a {FORMAT} v{VERSION} chunk: {meta.get('format')!r}")
+    if meta.get("data_sha256") != _digest(tensors.values()):
+        raise HandoffError(f"chunk {meta.get('seq', '?')}: tensor bytes do not match their sha256")
+    if handoff_id and meta.get("handoff_id") != handoff_id:
+        raise HandoffError(f"chunk of handoff {meta.get('handoff_id')!r}, expected {handoff_id!r}")
+    try:
+        kind, start, end = meta["kind"], int(meta["token_start"]), int(meta["token_end"])
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}")
+        kv = {}
+        for name in tensors:
+            parts = name.split(".")
+            if len(parts) == 3 and parts[2] == "keys":
+                layer = int(parts[1])
+                kv[layer] = (tensors[name], tensors[f"layers.{layer}.values"])
+        states = {}
+        for layer, entry in json.loads(meta["states"]).items():
+            arrays = tuple(
+                tensors[f"layers.{layer}.state.{j}"] if present else None
+                for j, present in enumerate(entry["present"])
+            )
+            states[int(layer)] = LayerState(entry["class"], arrays, tuple(entry["meta"]))
+        chunk = HandoffChunk(
+            meta["handoff_id"], int(meta["seq"]), kind, start, end, kv, states, meta.get("reason", "")
+        )
+    except (KeyError, ValueError, TypeError) as error:
+        raise HandoffError(f"incomplete handoff chunk: {error}") from None
+    if any(t.shape[:1] != (end - start,) for pair in kv.values() for t in pair):
+        raise HandoffError(f"chunk {chunk.seq}: tensors do not have {end - start} rows")
+    return chunk
+
+
+def frame(blob: bytes) -> bytes:
+    return FRAME_HEADER.pack(len(blob)) + blob
+
+
+def frame_length(header: bytes) -> int:
+    (length,) = FRAME_HEADER.unpack(header)
+    if not 0 < length < MAX_CHUNK_BYTES:
+        raise HandoffError(f"frame length {length} is not a chunk's")
+    return length
+
+
+# -- a handoff in a folder: what engines write and read --------------------------------------------
+def chunk_name(seq: int) -> str:
+    return f"{seq:06d}.safetensors"
+
+
+class HandoffWriter:
+    """Numbered chunk files in a folder, each written whole (temporary file renamed into place)."""
+
+    def __init__(self, folder: str | Path, handoff_id: str) -> None:
+        self.folder = Path(folder)
+        self.handoff_id = handoff_id
+        self.next_seq = 0
+        self.bytes_written = 0
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, chunk: HandoffChunk) -> None:
+        data = chunk.encode()
+        target = self.folder / chunk_name(chunk.seq)
+        with tempfile.NamedTemporaryFile(dir=self.folder, suffix=".part", delete=False) as file:
+            file.write(data)
+        os.replace(file.name, target)
+        self.next_seq += 1
+        self.bytes_written += len(data)
+
+    def kv(self, token_start: int, token_end: int, layers: Mapping[int, tuple[WireTensor, WireTensor]]) -> None:
+        self._write(HandoffChunk(self.handoff_id, self.next_seq, "kv", token_start, token_end, kv=layers))
+
+    def states(self, token_end: int, states: Mapping[int, LayerState]) -> None:
+        self._write(
+            HandoffChunk(self.handoff_id, self.next_seq, "state", token_end, token_end, states=states)
+        )
+
+    def done(self, token_start: int, token_end: int) -> None:
+        self._write(HandoffChunk(self.handoff_id, self.next_seq, "done", token_start, token_end))
+
+    def error(self, reason: str) -> None:
+        self._write(HandoffChunk(self.handoff_id, self.next_seq, "error", reason=reason))
+
+
+def read_folder(folder: str | Path) -> Iterator[bytes]:
+    """The chunk files of a complete handoff folder, in sequence order."""
+    seq = 0
+    while (path := Path(folder) / chunk_name(seq)).is_file():
+        yield path.read_bytes()
+        seq += 1
+
+
+# -- assembling a received handoff ------------------------------------------------------------------
+@dataclass(frozen=True)
+class AssembledKV:
+    """A complete handoff: per positional layer its rows from start_pos to end, in order."""
+
+    start_pos: int
+    end: int
+    rows: Mapping[int, tuple[tuple[WireTensor, WireTensor], ...]]
+    states: Mapping[int, LayerState]
+
+
+def assemble(blobs: Sequence[bytes] | Iterator[bytes], handoff_id: str, start_pos: int) -> AssembledKV:
+    """Check and order a handoff's chunks: HandoffError unless every positional layer's rows run
+    unbroken from start_pos to the done chunk's end and the sequence numbers have no gap."""
+    rows: dict[int, list[tuple[WireTensor, WireTensor]]] = {}
+    covered: dict[int, int] = {}
+    states: dict[int, LayerState] = {}
+    for expected_seq, blob in enumerate(blobs):
+        chunk = decode_chunk(blob, handoff_id)
+        if chunk.seq != expected_seq:
+            raise HandoffError(f"chunk {chunk.seq} arrived where chunk {expected_seq} belongs")
+        if chunk.kind == "error":
+            raise HandoffError(f"the prefill failed: {chunk.reason}")
+        if chunk.kind == "done":
+            if chunk.token_start != start_pos:
+                raise HandoffError(f"handoff starts at token {chunk.token_start}, asked for {start_pos}")
+            short = sorted(layer for layer, end in covered.items() if end != chunk.token_end)
+            if short:
+                raise HandoffError(f"layers {short} do not reach token {chunk.token_end}")
+            frozen_rows = {layer: tuple(pairs) for layer, pairs in rows.items()}
+            return AssembledKV(start_pos, chunk.token_end, frozen_rows, states)
+        for layer, pair in chunk.kv.items():
+            if covered.get(layer, start_pos) != chunk.token_start:
+                raise HandoffError(
+                    f"layer {layer}: rows from {chunk.token_start} do not continue at "
+                    f"{covered.get(layer, start_pos)}"
+                )
+            rows.setdefault(layer, []).append(pair)
+            covered[layer] = chunk.token_end
+        states.update(chunk.states)
+    raise HandoffError("the handoff ended without its done chunk")

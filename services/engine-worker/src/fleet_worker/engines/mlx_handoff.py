@@ -1,0 +1,154 @@
+"""MLX prompt caches <-> KV handoff chunks (fleet_store.handoff): the MLX edge of disaggregation.
+
+Export: a prefill-only request runs the model over its prompt in chunks of `step_size` tokens on
+its own single-sequence cache (one chunk per engine step, so running decodes keep going), and
+after each chunk writes the new rows of every plain KVCache layer as one "kv" chunk: the transfer
+of chunk i overlaps the compute of chunk i + 1. The logits are never evaluated (MLX is lazy: only
+the cache is asked for), so the prefill costs the layers alone. Layers whose cache is not
+position-addressed go last, as "state" chunks of their whole state: a sliding-window layer's ring
+buffer (RotatingKVCache: keys, values, offset, keep, max_size, write index) and SSM / linear
+attention layers' arrays (ArraysCache: conv and recurrent state).
+
+Import: the rows are appended to the decoder's own cache (which already holds the first
+start_pos tokens when it asked for a suffix only), the states are set as they came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from fleet_store.handoff import AssembledKV, HandoffError, HandoffWriter, LayerState
+from fleet_store.kv import KVBlobError, WireTensor
+from fleet_worker.engines.mlx_kv import WIRE_TO_MLX, from_wire, to_wire
+
+MOVABLE_STATES = (RotatingKVCache, ArraysCache)
+
+
+def movable_problem(cache: Sequence[object]) -> str:
+    """Why this cache's state cannot be handed over, or "" when it can."""
+    kinds = {type(layer).__name__ for layer in cache if type(layer) is not KVCache}
+    unknown = sorted(k for k in kinds if k not in {c.__name__ for c in MOVABLE_STATES})
+    return f"cache layers {unknown} cannot be handed over" if unknown else ""
+
+
+def _wire(array: mx.array, wire_dtype: str) -> WireTensor:
+    if wire_dtype:
+        try:
+            array = array.astype(WIRE_TO_MLX[wire_dtype])
+        except KeyError:
+            raise HandoffError(f"wire dtype {wire_dtype!r} is not one MLX can write") from None
+    return to_wire(array)
+
+
+def layer_rows(layer: KVCache, start: int, end: int, wire_dtype: str = "") -> tuple[WireTensor, WireTensor]:
+    """Rows [start, end) of a plain layer, as [tokens, kv_heads, head_dim]."""
+    keys = layer.keys[0, :, start:end].transpose(1, 0, 2)
+    values = layer.values[0, :, start:end].transpose(1, 0, 2)
+    return _wire(keys, wire_dtype), _wire(values, wire_dtype)
+
+
+def layer_state(layer: object, wire_dtype: str = "") -> LayerState:
+    if isinstance(layer, RotatingKVCache):
+        meta = tuple(str(v) for v in (layer.offset, layer.keep, layer.max_size, layer._idx))
+        arrays = (_wire(layer.keys, wire_dtype), _wire(layer.values, wire_dtype))
+        return LayerState("RotatingKVCache", arrays, meta)
+    if isinstance(layer, ArraysCache):
+        if layer.left_padding is not None or layer.lengths is not None:
+            raise HandoffError("a batched ArraysCache cannot be handed over")
+        return LayerState("ArraysCache", tuple(None if a is None else to_wire(a) for a in layer.cache))
+    raise HandoffError(f"a {type(layer).__name__} layer has no movable state")
+
+
+def _set_state(layer: object, state: LayerState, dtype: mx.Dtype) -> None:
+    if type(layer).__name__ != state.cache_class:
+        raise HandoffError(f"a {state.cache_class} state cannot go into a {type(layer).__name__} layer")
+    if isinstance(layer, RotatingKVCache):
+        offset, keep, max_size, index = (int(v) for v in state.meta)
+        if max_size != layer.max_size:
+            raise HandoffError(f"sliding window of {max_size} tokens, this model's is {layer.max_size}")
+        keys, values = (from_wire(a).astype(dtype) for a in state.arrays if a is not None)
+        layer.state = (keys, values, offset, keep, max_size, index)
+    else:
+        arrays = [None if a is None else from_wire(a) for a in state.arrays]
+        if len(arrays) != len(layer.cache):  # type: ignore[attr-defined]
+            raise HandoffError(f"{len(arrays)} state arrays for a cache of {len(layer.cache)}")  # type: ignore[attr-defined]
+        layer.state = (arrays, None, None)
+
+
+def apply_handoff(cache: list[object], kv: AssembledKV, dtype: mx.Dtype) -> list[object]:
+    """`cache` (holding tokens [0, kv.start_pos) of its plain layers) extended by the handoff."""
+    expected_states = {i for i, layer in enumerate(cache) if type(layer) is not KVCache}
+    if set(kv.states) != expected_states or any(i in kv.states for i in kv.rows):
+        raise HandoffError(
+            f"handoff has states for layers {sorted(kv.states)}, the model needs {sorted(expected_states)}"
+        )
+    try:
+        for i, layer in enumerate(cache):
+            if i in expected_states:
+                _set_state(layer, kv.states[i], dtype)
+                continue
+            pairs = kv.rows.get(i, ())
+            if kv.end > kv.start_pos and not pairs:
+                raise HandoffError(f"no rows for layer {i}")
+            if not pairs:
+                continue
+            keys = mx.concatenate([from_wire(k) for k, _ in pairs], axis=0).transpose(1, 0, 2)[None]
+            values = mx.concatenate([from_wire(v) for _, v in pairs], axis=0).transpose(1, 0, 2)[None]
+            keys, values = keys.astype(dtype), values.astype(dtype)
+            assert isinstance(layer, KVCache)
+            if kv.start_pos:
+                if layer.offset < kv.start_pos:
+                    raise HandoffError(f"the decoder holds {layer.offset} tokens, the handoff starts at {kv.start_pos}")
+                keys = mx.concatenate([layer.keys[..., : kv.start_pos, :], keys], axis=2)
+                values = mx.concatenate([layer.values[..., : kv.start_pos, :], values], axis=2)
+            layer.state = (keys, values, keys.shape[2])
+    except KVBlobError as error:
+        raise HandoffError(str(error)) from None
+    mx.eval([layer.state for layer in cache])
+    return cache
+
+
+@dataclass(eq=False)
+class Export:
+    """One prefill-only request: its cache, how far it has got, and where its chunks go."""
+
+    request_id: str
+    prompt: list[int]
+    start_pos: int  # the first row to hand over
+    end: int  # rows up to here (the prompt but its last token)
+    writer: HandoffWriter
+    wire_dtype: str
+    cache: list[object]
+    position: int  # tokens already in the cache
+    cached_tokens: int = 0
+    started_at: float = 0.0
+    sent_until: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        self.sent_until = self.start_pos
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.end
+
+    def advance(self, model: object, step_size: int) -> None:
+        """Compute the next chunk of the prompt and write the rows it made (and any older ones owed)."""
+        if self.position < self.end:
+            stop = min(self.position + step_size, self.end)
+            model(mx.array(self.prompt[self.position : stop])[None], cache=self.cache)
+            mx.eval([layer.state for layer in self.cache])
+            self.position = stop
+        plain = {i: layer for i, layer in enumerate(self.cache) if type(layer) is KVCache}
+        if self.position > self.sent_until and plain:
+            rows = {i: layer_rows(layer, self.sent_until, self.position, self.wire_dtype) for i, layer in plain.items()}
+            self.writer.kv(self.sent_until, self.position, rows)
+        self.sent_until = max(self.sent_until, self.position)
+        if self.done:
+            states = {i: layer_state(layer, self.wire_dtype) for i, layer in enumerate(self.cache) if i not in plain}
+            if states:
+                self.writer.states(self.end, states)
+            self.writer.done(self.start_pos, self.end)
