@@ -22,14 +22,18 @@ from fleet_store.kv import WireTensor
 
 
 def rows(count: int, value: float = 1.0, heads: int = 2, dim: int = 4) -> WireTensor:
-    return WireTensor("F32", (count, heads, dim), struct.pack(f"<{count * heads * dim}f", *[value] * (count * heads * dim)))
+    return WireTensor(
+        "F32", (count, heads, dim), struct.pack(f"<{count * heads * dim}f", *[value] * (count * heads * dim))
+    )
 
 
 def write_handoff(folder, start: int, end: int, split: int) -> HandoffWriter:
     writer = HandoffWriter(folder, "h1")
     for layer in (0, 1):  # layer by layer, as vLLM's save_kv_layer emits them
         writer.kv(start, split, {layer: (rows(split - start, layer), rows(split - start, -layer))})
-    writer.kv(split, end, {0: (rows(end - split), rows(end - split)), 1: (rows(end - split), rows(end - split))})
+    writer.kv(
+        split, end, {0: (rows(end - split), rows(end - split)), 1: (rows(end - split), rows(end - split))}
+    )
     state = LayerState("RotatingKVCache", (rows(3), None), ("0", "16", "20", "4"))
     writer.states(end, {2: state})
     writer.done(start, end)

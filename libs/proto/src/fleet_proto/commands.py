@@ -21,6 +21,7 @@ class CreateInstance(CommandBase, tag="create_instance"):
     instance_id: str
     engine: str = ""  # empty: the scheduler chooses
     shards: tuple[Shard, ...] = ()  # an explicit placement; empty: the scheduler chooses
+    role: str = "both"  # "prefill" | "decode" | "both": what routing may use it for
 
 
 class DeleteInstance(CommandBase, tag="delete_instance"):

@@ -114,7 +114,11 @@ def route(
     partner = prefill_partner(state, request.model_id, chosen, load)
     if partner is None:
         return local
-    why = "asked for" if request.disaggregate == "always" else f"{uncached} uncached tokens > {disagg_min_tokens}"
+    why = (
+        "asked for"
+        if request.disaggregate == "always"
+        else f"{uncached} uncached tokens > {disagg_min_tokens}"
+    )
     return RouteReply(
         instance_id=chosen.instance_id,
         worker_id=chosen.node_id,

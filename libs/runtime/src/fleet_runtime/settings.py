@@ -46,6 +46,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_block_size: int = 256
     # An MLX engine's tier-1 budget: finished prompt blocks kept in its memory (0: none).
     kv_memory_bytes: int = 1 << 30
+    # Disaggregated prefill/decode: a prompt whose uncached part is longer than this many tokens is
+    # prefilled on a separate prefill instance of the same base model, when there is one.
+    disagg_min_tokens: int = 1000
+    # Where a worker serves the KV handoffs it prefills, over TCP (port 0: any free one), and the
+    # endpoints it tells decoders (comma-separated host:port, fastest path first; default: the bound
+    # address, or every interface address by link speed when bound to 0.0.0.0).
+    handoff_host: str = "127.0.0.1"
+    handoff_port: int = 0
+    handoff_advertise: str = ""
+    # A handoff that delivers no chunk for this long is given up: the decoder prefills itself.
+    handoff_stall_s: float = 30.0
     # Options per engine for the instances a worker loads, as JSON: {"vllm": {"kv_cache_bytes": 268435456}}
     # (the keyword arguments of that engine's class: fleet_worker/engines/).
     engine_options: str = ""

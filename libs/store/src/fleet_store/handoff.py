@@ -139,6 +139,15 @@ def decode_chunk(data: bytes, handoff_id: str = "") -> HandoffChunk:
     return chunk
 
 
+def chunk_kind(data: bytes) -> str:
+    """A chunk's kind from its header alone (no hashing): "" when the blob is no chunk."""
+    try:
+        (length,) = struct.unpack("<Q", data[:8])
+        return str(json.loads(data[8 : 8 + length])["__metadata__"]["kind"])
+    except (struct.error, ValueError, KeyError, TypeError):
+        return ""
+
+
 def frame(blob: bytes) -> bytes:
     return FRAME_HEADER.pack(len(blob)) + blob
 
@@ -174,7 +183,9 @@ class HandoffWriter:
         self.next_seq += 1
         self.bytes_written += len(data)
 
-    def kv(self, token_start: int, token_end: int, layers: Mapping[int, tuple[WireTensor, WireTensor]]) -> None:
+    def kv(
+        self, token_start: int, token_end: int, layers: Mapping[int, tuple[WireTensor, WireTensor]]
+    ) -> None:
         self._write(HandoffChunk(self.handoff_id, self.next_seq, "kv", token_start, token_end, kv=layers))
 
     def states(self, token_end: int, states: Mapping[int, LayerState]) -> None:
@@ -187,6 +198,19 @@ class HandoffWriter:
 
     def error(self, reason: str) -> None:
         self._write(HandoffChunk(self.handoff_id, self.next_seq, "error", reason=reason))
+
+
+def append_error(folder: str | Path, handoff_id: str, reason: str) -> None:
+    """End an unfinished handoff folder with an error chunk (nothing when it has ended already)."""
+    folder = Path(folder)
+    count = 0
+    while (folder / chunk_name(count)).is_file():
+        count += 1
+    if count and chunk_kind((folder / chunk_name(count - 1)).read_bytes()) in ("done", "error"):
+        return
+    writer = HandoffWriter(folder, handoff_id)
+    writer.next_seq = count
+    writer.error(reason)
 
 
 def read_folder(folder: str | Path) -> Iterator[bytes]:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import msgspec
 from fleet_bus import Delivery, publish_chunk
 from fleet_proto import (
     GenerateTask,
+    HandoffStats,
     Instance,
     InstanceDeleted,
     InstanceFailed,
@@ -28,16 +30,21 @@ from fleet_proto import (
     InstanceReady,
     InstanceStatus,
     InstanceStatusChanged,
+    PrefillRequest,
     SamplingParams,
     State,
     TokenChunk,
 )
+from fleet_proto.routing import KV_EXPORT_ENGINES, KV_IMPORT_ENGINES
 from fleet_runtime.service import ServiceContext
 from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ModelManifest, ObjectStore, load_manifest
+from fleet_store.handoff import append_error
 from fleet_store.kv import manifest_fingerprint
 from fleet_store.layers import files_for_layers
 from fleet_worker.engine_process import EngineProcess
-from fleet_worker.engines.base import EngineOutput, EngineRequest
+from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport
+from fleet_worker.handoff import HandoffClient
+from fleet_worker.handoff_transport import HandoffFailed
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
 
@@ -46,6 +53,8 @@ LOAD_TIMEOUT_S = 600.0
 WARMUP_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish, then are cancelled
 LOAD_PROGRESS_INTERVAL_S = 0.5
+# A model card's dtype -> the safetensors dtype its MLX decoder asks the prefill side to send.
+WIRE_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 class EngineOptionsError(ValueError):
@@ -94,6 +103,17 @@ def to_chunk(output: EngineOutput, index: int) -> TokenChunk:
     return TokenChunk(**msgspec.structs.asdict(output), index=index)
 
 
+def export_request_id(handoff_id: str) -> str:
+    return f"prefill-{handoff_id}"
+
+
+def merged_stats(transport: HandoffStats | None, engine: HandoffStats | None) -> HandoffStats | None:
+    """The worker's transfer numbers with the engine's verdict (a fallback when it could not use them)."""
+    if transport is None or engine is None:
+        return transport or engine
+    return msgspec.structs.replace(transport, fallback=engine.fallback)
+
+
 class LoadProgressReporter:
     """Weight-loading progress from the engine process as instance_loading events, at most 2 a second."""
 
@@ -122,6 +142,12 @@ class RunningInstance:
         self.next_index: dict[str, int] = {}  # in-flight request -> next chunk index
         self.prompt_tokens: dict[str, int] = {}  # in-flight request -> its prompt length
         self.generated: dict[str, int] = {}  # request -> tokens so far (absent: still queued)
+        # disaggregation: prefill-only requests run for other workers (engine request -> folder,
+        # handoff), decode requests still receiving their KV, and what their handoffs did
+        self.exports: dict[str, tuple[Path, str]] = {}
+        self.receiving: dict[str, asyncio.Task[None]] = {}
+        self.imports: dict[str, Path] = {}
+        self.handoff_stats: dict[str, HandoffStats] = {}
         self.pump: asyncio.Task[None] | None = None
         self.warmup_id = f"warmup-{instance.instance_id}"
         self.warmed: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
@@ -157,8 +183,10 @@ class InstanceManager:
         options: dict[str, dict[str, Any]] | None = None,
         kv: WorkerKV | None = None,
         kv_settings: KVSettings | None = None,
+        handoffs: HandoffClient | None = None,
     ) -> None:
         self._ctx = ctx
+        self._handoffs = handoffs
         self._options = options or {}
         self._kv = kv
         self._kv_settings = kv_settings
@@ -339,11 +367,19 @@ class InstanceManager:
                 if output.finish_reason and not running.warmed.done():
                     running.warmed.set_result(output)
                 continue
+            if output.request_id in running.exports:
+                self._export_output(running, output)
+                continue
             index = running.next_index.get(output.request_id, 0)
             if output.finish_reason:
                 running.finish(output.request_id)
                 if self._kv is not None:
                     self._kv.release(running.fetched.pop(output.request_id, []))
+                folder = running.imports.pop(output.request_id, None)
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
+                stats = merged_stats(running.handoff_stats.pop(output.request_id, None), output.handoff)
+                output = msgspec.structs.replace(output, handoff=stats)
             else:
                 running.next_index[output.request_id] = index + 1
                 running.generated[output.request_id] = output.completion_tokens
@@ -357,6 +393,14 @@ class InstanceManager:
             reason = "engine process exited unexpectedly"
             await self._publish(InstanceFailed(instance_id=iid, reason=reason, origin=self._ctx.service_id))
 
+    def _export_output(self, running: RunningInstance, output: EngineOutput) -> None:
+        if not output.finish_reason:
+            return
+        folder, handoff_id = running.exports.pop(output.request_id)
+        running.finish(output.request_id)
+        if output.finish_reason != "length":  # the engine died or gave up: the reader must know
+            append_error(folder, handoff_id, output.error or output.finish_reason)
+
     async def on_task(self, task: GenerateTask, _: Delivery) -> None:
         running = self._running.get(task.instance_id)
         if running is None or running.draining is not None:
@@ -368,14 +412,105 @@ class InstanceManager:
         if self._kv is not None and running.kv_fingerprint and task.block_hashes:
             usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_settings.block_size]
             running.fetched[task.request_id] = await self._kv.prefetch(running.kv_fingerprint, usable)
+        if task.prefill is not None and self._handoffs is not None:
+            if running.instance.engine in KV_IMPORT_ENGINES and len(task.prompt_token_ids) > 1:
+                receive = self._decode_disaggregated(running, task)
+                running.receiving[task.request_id] = asyncio.create_task(
+                    receive, name=f"handoff-{task.request_id}"
+                )
+                return
+        self._submit(running, task)
+
+    def _submit(
+        self, running: RunningInstance, task: GenerateTask, kv_import: KVImport | None = None
+    ) -> None:
+        request = EngineRequest(
+            request_id=task.request_id,
+            prompt_token_ids=task.prompt_token_ids,
+            sampling=task.sampling,
+            kv_import=kv_import,
+        )
+        running.engine.submit(request)
+
+    def _held_prefix(self, running: RunningInstance, task: GenerateTask) -> int:
+        """Leading prompt tokens whose KV this node's engine holds (the handoff can start there)."""
+        if self._kv is None or self._kv_settings is None or not running.kv_fingerprint:
+            return 0
+        usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_settings.block_size]
+        return self._kv.held_run(running.kv_fingerprint, usable) * self._kv_settings.block_size
+
+    async def _decode_disaggregated(self, running: RunningInstance, task: GenerateTask) -> None:
+        """Receive the prompt's KV from the planned prefill instance, then decode it here; on any
+        failure of the handoff the prompt is prefilled here instead (logged, in the stats)."""
+        assert self._handoffs is not None and task.prefill is not None
+        card = self._ctx.follower.state.models.get(running.instance.model_id)
+        wire_dtype = WIRE_DTYPES.get(card.dtype, "") if card is not None else ""
+        start_pos = self._held_prefix(running, task)
+        kv_import = None
+        try:
+            kv_import, stats = await self._handoffs.fetch(
+                task.request_id, task.prefill, task.prompt_token_ids, start_pos, wire_dtype
+            )
+            running.imports[task.request_id] = Path(kv_import.folder)
+        except HandoffFailed as error:
+            log.warning("request %s: remote prefill failed, prefilling here: %s", task.request_id, error)
+            stats = HandoffStats(prefill_worker_id=task.prefill.worker_id, fallback=str(error))
+        except asyncio.CancelledError:
+            running.finish(task.request_id)
+            chunk = TokenChunk(request_id=task.request_id, index=0, finish_reason="cancelled")
+            await publish_chunk(self._ctx.bus, chunk)
+            raise
+        finally:
+            running.receiving.pop(task.request_id, None)
+        running.handoff_stats[task.request_id] = stats
+        if running.engine.alive:
+            self._submit(running, task, kv_import)
+            return
+        running.finish(task.request_id)
+        error = f"the engine of instance {task.instance_id} exited"
+        await publish_chunk(
+            self._ctx.bus, TokenChunk(request_id=task.request_id, finish_reason="error", error=error)
+        )
+
+    # -- the prefill side of disaggregation (called by the PrefillServer) ------------------------
+    def start_export(self, request: PrefillRequest, folder: Path) -> str:
+        running = self._running.get(request.instance_id)
+        if running is None or running.draining is not None:
+            return f"instance {request.instance_id} is not running on {self._node_id}"
+        if running.instance.engine not in KV_EXPORT_ENGINES:
+            return f"engine {running.instance.engine} cannot prefill for another instance"
+        if running.instance.role == "decode":
+            return f"instance {request.instance_id} only decodes"
+        engine_id = export_request_id(request.handoff_id)
+        running.exports[engine_id] = (folder, request.handoff_id)
+        running.start(engine_id, len(request.prompt_token_ids))
+        export = KVExport(
+            folder=str(folder),
+            handoff_id=request.handoff_id,
+            start_pos=request.start_pos,
+            wire_dtype=request.wire_dtype,
+        )
         running.engine.submit(
             EngineRequest(
-                request_id=task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling
+                request_id=engine_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                export=export,
             )
         )
+        return ""
+
+    def cancel_export(self, request: PrefillRequest) -> None:
+        running = self._running.get(request.instance_id)
+        if running is not None and export_request_id(request.handoff_id) in running.exports:
+            with contextlib.suppress(Exception):
+                running.engine.cancel(export_request_id(request.handoff_id))
 
     def cancel(self, request_id: str) -> None:
         for running in self._running.values():
-            if request_id in running.next_index:
+            receiving = running.receiving.get(request_id)
+            if receiving is not None:
+                receiving.cancel()
+            elif request_id in running.next_index:
                 with contextlib.suppress(Exception):
                     running.engine.cancel(request_id)

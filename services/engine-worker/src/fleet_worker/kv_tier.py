@@ -94,6 +94,16 @@ class WorkerKV:
         await self._index.add(fingerprint, list(changes.in_memory), self._node_id)
         await self._index.remove(fingerprint, list(changes.evicted), self._node_id)
 
+    def held_run(self, fingerprint: str, hashes: Sequence[str]) -> int:
+        """How many of the leading blocks an engine here holds in memory or the local folder."""
+        held = self._in_memory.get(fingerprint, set())
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in held and not self.folder.contains(fingerprint, block_hash):
+                break
+            count += 1
+        return count
+
     async def prefetch(self, fingerprint: str, hashes: Sequence[str]) -> list[Path]:
         """Fetch the run of leading blocks this node lacks; returns the files to release afterwards."""
         held = self._in_memory.get(fingerprint, set())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import time
 from pathlib import Path
 
@@ -22,10 +23,11 @@ from fleet_store import KV_BUCKET, ObjectStore, StoreError
 from fleet_store.kv import KVFolder
 from fleet_store.kv_index import KVIndex
 from fleet_worker.gpu import NvmlReader
+from fleet_worker.handoff import HandoffClient, PrefillServer
 from fleet_worker.instances import InstanceManager, KVSettings, parse_engine_options
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
-from fleet_worker.probe import Overrides, node_id_from, node_info, node_metrics
+from fleet_worker.probe import Overrides, network_interfaces, node_id_from, node_info, node_metrics
 
 METRICS_INTERVAL_S = 1.0
 
@@ -87,9 +89,26 @@ async def main(ctx: ServiceContext) -> None:
     with contextlib.suppress(StoreError):  # the downloader creates it too; serving does not need it
         await asyncio.to_thread(store.ensure_bucket, KV_BUCKET)
     kv = WorkerKV(node_id, store, KVIndex.from_url(settings.redis_url), KVFolder(kv_settings.folder))
+    handoff_root = Path(kv_settings.folder) / "handoff"
+    shutil.rmtree(handoff_root, ignore_errors=True)  # what a previous run left half-done
+    receiver = HandoffClient(ctx.bus, store, handoff_root / "in", settings.handoff_stall_s)
     manager = InstanceManager(
-        ctx, node_id, store, cache, parse_engine_options(settings.engine_options), kv, kv_settings
+        ctx, node_id, store, cache, parse_engine_options(settings.engine_options), kv, kv_settings, receiver
     )
+    prefill_server = PrefillServer(
+        ctx.bus,
+        node_id,
+        store,
+        handoff_root / "out",
+        manager.start_export,
+        manager.cancel_export,
+        host=settings.handoff_host,
+        port=settings.handoff_port,
+        advertise=settings.handoff_advertise,
+        interfaces=await asyncio.to_thread(network_interfaces),
+        stall_s=settings.handoff_stall_s,
+    )
+    await prefill_server.start()
     await announce()
 
     cancel_decoder = msgspec.json.Decoder(CancelRequest)
@@ -108,6 +127,7 @@ async def main(ctx: ServiceContext) -> None:
 
     async def leave() -> None:
         await cancel_sub.unsubscribe()
+        await prefill_server.close()
         await manager.close()
         await kv.close()
         await cache.close()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,3 +213,26 @@ def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+@dataclass(frozen=True)
+class Interface:
+    name: str
+    address: str  # IPv4
+    speed_mbps: int  # 0: unknown
+    loopback: bool = False
+
+
+def network_interfaces() -> list[Interface]:
+    """This node's up IPv4 interfaces with their link speed (for ranking handoff endpoints)."""
+    stats = psutil.net_if_stats()
+    found = []
+    for name, addresses in psutil.net_if_addrs().items():
+        stat = stats.get(name)
+        if stat is None or not stat.isup:
+            continue
+        for address in addresses:
+            if address.family == socket.AF_INET:
+                loopback = address.address.startswith("127.")
+                found.append(Interface(name, address.address, stat.speed, loopback))
+    return found

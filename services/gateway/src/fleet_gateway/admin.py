@@ -26,6 +26,8 @@ from fleet_proto import (
 from fleet_proto.subjects import PLACEMENTS_SUBJECT
 from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectStore, manifest_key
 
+INSTANCE_ROLES = ("both", "prefill", "decode")
+
 
 class StageModelBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str
@@ -36,6 +38,7 @@ class CreateInstanceBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str
     engine: str = ""
     shards: tuple[Shard, ...] = ()  # an explicit placement (e.g. one of GET /placements' options)
+    role: str = "both"  # "prefill" | "decode" | "both" (disaggregated serving)
 
 
 def capabilities(state: State) -> dict[str, object]:
@@ -89,6 +92,10 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
         )
         if not staged:
             raise ApiError(404, f"model {body.model!r} is not staged: POST /models first", param="model")
+        if body.role not in INSTANCE_ROLES:
+            raise ApiError(
+                400, f"role must be one of {', '.join(INSTANCE_ROLES)}, got {body.role!r}", param="role"
+            )
         instance_id = _new_id("inst")
         command = CreateInstance(
             command_id=_new_id("cmd"),
@@ -96,6 +103,7 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
             instance_id=instance_id,
             engine=body.engine,
             shards=body.shards,
+            role=body.role,
         )
         await bus.publish_command(command)
         return web.json_response({"instance_id": instance_id, "model": body.model}, status=202)

@@ -20,13 +20,14 @@ from fleet_proto import (
     CancelRequest,
     GenerateTask,
     NodeMetrics,
+    PrefillPlan,
     RequestStats,
     RouteReply,
     RouteRequest,
     SamplingParams,
     TokenChunk,
 )
-from fleet_proto.routing import route
+from fleet_proto.routing import DEFAULT_DISAGG_MIN_TOKENS, route
 from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, cancel_subject
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, block_hashes
 
@@ -66,6 +67,14 @@ class NodeLiveness:
         return seen is None or time.monotonic() - seen < NODE_SILENCE_S
 
 
+def prefill_plan(decision: RouteReply, transport: str) -> PrefillPlan | None:
+    if not decision.prefill_instance_id:
+        return None
+    return PrefillPlan(
+        instance_id=decision.prefill_instance_id, worker_id=decision.prefill_worker_id, transport=transport
+    )
+
+
 class Generator:
     def __init__(
         self,
@@ -73,8 +82,10 @@ class Generator:
         follower: StateFollower,
         liveness: NodeLiveness,
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
+        disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
     ) -> None:
         self._kv_block_size = kv_block_size
+        self._disagg_min_tokens = disagg_min_tokens
         self._bus = bus
         self._follower = follower
         self._liveness = liveness
@@ -84,7 +95,7 @@ class Generator:
             return await self._bus.request(ROUTE_SUBJECT, request, RouteReply, ROUTE_TIMEOUT_S)
         except RequestFailed as exc:
             log.warning("scheduler did not route %s (%s); choosing locally", request.request_id, exc)
-            return route(self._follower.state, request, {})
+            return route(self._follower.state, request, {}, disagg_min_tokens=self._disagg_min_tokens)
 
     async def generate(
         self,
@@ -93,9 +104,12 @@ class Generator:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         kv_fingerprint: str = "",
+        disaggregate: str = "auto",
+        transport: str = "auto",
     ) -> AsyncIterator[TokenChunk]:
         """Route, send the task, stream its chunks; with a KV fingerprint the prompt's block hashes go
-        along, so the scheduler can route to cached prefixes and the worker can look them up."""
+        along, so the scheduler can route to cached prefixes and the worker can look them up.
+        disaggregate ("auto" | "always" | "never") and transport choose remote prefill."""
         started = time.monotonic()
         hashes = (
             tuple(block_hashes(kv_fingerprint, prompt_token_ids, self._kv_block_size))
@@ -109,6 +123,8 @@ class Generator:
                 prompt_tokens=len(prompt_token_ids),
                 block_hashes=hashes,
                 kv_fingerprint=kv_fingerprint,
+                disaggregate=disaggregate,
+                transport=transport,
             )
         )
         if not decision.instance_id:
@@ -128,6 +144,7 @@ class Generator:
                 sampling=sampling,
                 block_hashes=hashes,
                 kv_fingerprint=kv_fingerprint,
+                prefill=prefill_plan(decision, transport),
             )
             await self._bus.publish_task(worker_id, task)
             async for chunk in reader.chunks():

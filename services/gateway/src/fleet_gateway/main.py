@@ -32,7 +32,9 @@ async def main(ctx: ServiceContext) -> None:
     liveness = NodeLiveness()
     metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=liveness.on_metrics)
     catalog = ModelCatalog(store, Path(ctx.settings.state_dir) / "gateway" / "tokenizers")
-    generator = Generator(ctx.bus, ctx.follower, liveness, ctx.settings.kv_block_size)
+    generator = Generator(
+        ctx.bus, ctx.follower, liveness, ctx.settings.kv_block_size, ctx.settings.disagg_min_tokens
+    )
 
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))

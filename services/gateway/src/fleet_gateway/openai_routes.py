@@ -1,20 +1,25 @@
-"""OpenAI HTTP endpoints: POST /v1/chat/completions (streamed and not) and GET /v1/models."""
+"""OpenAI HTTP endpoints: POST /v1/chat/completions (streamed and not), GET /v1/models, and
+POST /bench/chat/completions (a non-streamed chat completion with its generation stats; the seed's
+bench endpoint: `disaggregated` true / false forces or forbids remote prefill, `transport` picks
+"stream" or "staged")."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from fleet_bus import StateFollower, StreamBroken
 from fleet_gateway import openai_api as oai
 from fleet_gateway.detokenize import IncrementalDetokenizer
-from fleet_gateway.errors import ApiError, error_body
+from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.generation import Generator, NoInstance
 from fleet_gateway.models import ModelCatalog, ModelInfo
 from fleet_gateway.stops import StopMatcher
-from fleet_proto import InstanceStatus, State
+from fleet_proto import InstanceStatus, State, TokenChunk
+from fleet_proto.messages import TRANSPORTS
 from fleet_store import StoreError
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -49,6 +54,38 @@ class TextStep:
         return text + ("" if self.hit_stop else self.stops.flush())
 
 
+class BenchOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The bench endpoint's fields beside a chat completion's."""
+
+    disaggregated: bool | None = None  # None: as routing decides
+    transport: str = "auto"
+
+
+def disaggregate_mode(options: BenchOptions) -> str:
+    if options.transport not in TRANSPORTS:
+        raise ApiError(400, f"'transport' must be one of {', '.join(TRANSPORTS)}.", param="transport")
+    return {None: "auto", True: "always", False: "never"}[options.disaggregated]
+
+
+def generation_stats(last: TokenChunk, started: float, first_token_at: float, finished: float) -> dict:
+    """The bench endpoint's numbers: the engine's and the gateway's timings and the KV handoff."""
+    decode_s = finished - first_token_at if first_token_at else 0.0
+    tokens = last.completion_tokens
+    stats = {
+        "prompt_tokens": last.prompt_tokens,
+        "generation_tokens": tokens,
+        "prefix_cached_tokens": last.prefix_cached_tokens,
+        "ttft_s": (first_token_at or finished) - started,
+        "total_s": finished - started,
+        "prompt_time_s": last.prompt_time_s,
+        "decode_time_s": last.decode_time_s,
+        "generation_tps": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else 0.0,
+        "disaggregated": bool(last.handoff and last.handoff.transport and not last.handoff.fallback),
+        "handoff": msgspec.to_builtins(last.handoff) if last.handoff else None,
+    }
+    return stats
+
+
 def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFollower) -> list[web.RouteDef]:
     async def resolve(model_id: str) -> ModelInfo:
         state = follower.state
@@ -67,35 +104,63 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         except StoreError as exc:
             raise ApiError(503, f"cannot load the tokenizer of {model_id!r}: {exc}") from None
 
-    async def tokens(request_id: str, model: ModelInfo, prompt: list[int], sampling) -> AsyncIterator:
+    async def tokens(
+        request_id: str, model: ModelInfo, prompt: list[int], sampling, **choices: str
+    ) -> AsyncIterator[TokenChunk]:
         try:
             async for chunk in generator.generate(
-                request_id, model.model_id, prompt, sampling, model.kv_fingerprint
+                request_id, model.model_id, prompt, sampling, model.kv_fingerprint, **choices
             ):
                 yield chunk
         except NoInstance as exc:
             raise ApiError(503, str(exc)) from None
 
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        req = oai.parse_chat_request(await request.read())
+    async def prepare(body: bytes):
+        req = oai.parse_chat_request(body)
         model = await resolve(req.model)
         try:
             prompt = model.tokenizer.encode_chat(oai.messages_for_template(req))
         except ValueError as exc:
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
         sampling = oai.to_sampling(req, model.tokenizer.eos_token_ids, model.max_model_len, len(prompt))
+        return req, model, prompt, sampling
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        req, model, prompt, sampling = await prepare(await request.read())
         completion_id, created = oai.new_completion_id(), int(time.time())
         step = TextStep(model, oai.stop_strings(req))
         if not req.stream:
-            return await _complete(completion_id, created, req.model, model, prompt, sampling, step)
+            body, _, _ = await _complete(completion_id, created, req.model, model, prompt, sampling, step)
+            return web.json_response(body)
         return await _stream(request, completion_id, created, req, model, prompt, sampling, step)
 
-    async def _complete(completion_id, created, name, model, prompt, sampling, step) -> web.Response:
+    async def bench_chat_completions(request: web.Request) -> web.Response:
+        raw = await request.read()
+        options = decode_json_body(raw, BenchOptions)
+        choices = {"disaggregate": disaggregate_mode(options), "transport": options.transport}
+        req, model, prompt, sampling = await prepare(raw)
+        completion_id, created = oai.new_completion_id(), int(time.time())
+        started = time.monotonic()
+        step = TextStep(model, oai.stop_strings(req))
+        body, last, first_token_at = await _complete(
+            completion_id, created, req.model, model, prompt, sampling, step, **choices
+        )
+        body["generation_stats"] = generation_stats(last, started, first_token_at, time.monotonic())
+        return web.json_response(body)
+
+    async def _complete(
+        completion_id, created, name, model, prompt, sampling, step, **choices: str
+    ) -> tuple[dict, TokenChunk, float]:
+        """The completion's body, its last chunk and when its first token came (monotonic)."""
         parts, finish = [], "stop"
+        last, first_token_at = TokenChunk(request_id=completion_id), 0.0
         try:
-            async for chunk in tokens(completion_id, model, prompt, sampling):
+            async for chunk in tokens(completion_id, model, prompt, sampling, **choices):
                 if chunk.finish_reason == "error":
                     raise ApiError(503, f"generation failed: {chunk.error}")
+                if chunk.token_ids and not first_token_at:
+                    first_token_at = time.monotonic()
+                last = chunk
                 parts.append(step.push(chunk.token_ids))
                 if step.hit_stop:
                     break
@@ -108,7 +173,7 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         body = oai.completion_response(
             completion_id, name, created, "".join(parts), finish, len(prompt), step.completion_tokens
         )
-        return web.json_response(body)
+        return body, last, first_token_at
 
     async def _stream(
         request, completion_id, created, req, model, prompt, sampling, step
@@ -175,4 +240,8 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         ]
         return web.json_response({"object": "list", "data": data})
 
-    return [web.post("/v1/chat/completions", chat_completions), web.get("/v1/models", list_models)]
+    return [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/bench/chat/completions", bench_chat_completions),
+        web.get("/v1/models", list_models),
+    ]

@@ -82,12 +82,14 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
                     command.engine,
                     shards=command.shards or None,
                 )
+                instance = msgspec.structs.replace(instance, role=command.role)
             except PlacementError as exc:
                 instance = Instance(
                     instance_id=command.instance_id,
                     model_id=command.model_id,
                     node_id="",
                     engine=command.engine,
+                    role=command.role,
                     status=InstanceStatus.FAILED,
                     reason=str(exc),
                 )
@@ -180,9 +182,13 @@ async def main(ctx: ServiceContext) -> None:
 
     async def on_route(request: RouteRequest):
         cached, tier2 = await cached_prefixes(request)
-        reply = route(ctx.follower.state, request, tracker.load(), cached, tier2)
+        reply = route(
+            ctx.follower.state, request, tracker.load(), cached, tier2, ctx.settings.disagg_min_tokens
+        )
         if reply.instance_id:
             tracker.on_routed(reply.instance_id, request.prompt_tokens)
+        if reply.prefill_instance_id:
+            tracker.on_routed(reply.prefill_instance_id, request.prompt_tokens)
         decided = RouteDecided(
             request_id=request.request_id,
             model_id=request.model_id,

@@ -334,8 +334,16 @@ class MlxEngine:
             cache, hit = self._prefixes.cache_for(prompt, self._dtype)
         writer = HandoffWriter(spec.folder, spec.handoff_id)
         return Export(
-            request.request_id, prompt, spec.start_pos, len(prompt) - 1, writer, spec.wire_dtype,
-            cache, position=hit, cached_tokens=hit, started_at=time.perf_counter(),
+            request.request_id,
+            prompt,
+            spec.start_pos,
+            len(prompt) - 1,
+            writer,
+            spec.wire_dtype,
+            cache,
+            position=hit,
+            cached_tokens=hit,
+            started_at=time.perf_counter(),
         )
 
     def _export_step(self) -> list[EngineOutput]:
@@ -397,12 +405,16 @@ class MlxEngine:
                 assert self._prefixes is not None
                 cache, hit = self._prefixes.cache_for(prompt, self._dtype)
                 if hit < spec.start_pos:
-                    raise HandoffError(f"this engine holds {hit} prompt tokens, the handoff starts at {spec.start_pos}")
+                    raise HandoffError(
+                        f"this engine holds {hit} prompt tokens, the handoff starts at {spec.start_pos}"
+                    )
             sequence.cached_tokens = spec.start_pos
             return apply_handoff(cache, kv, self._dtype), kv.end
         except HandoffError as error:
             sequence.fallback = str(error)
-            log.warning("request %s: handoff not used, prefilling here: %s", sequence.request.request_id, error)
+            log.warning(
+                "request %s: handoff not used, prefilling here: %s", sequence.request.request_id, error
+            )
             return None
 
     def _prefill(self, group: list[_Sequence]) -> GenerationBatch:

@@ -102,7 +102,9 @@ def apply_handoff(cache: list[object], kv: AssembledKV, dtype: mx.Dtype) -> list
             assert isinstance(layer, KVCache)
             if kv.start_pos:
                 if layer.offset < kv.start_pos:
-                    raise HandoffError(f"the decoder holds {layer.offset} tokens, the handoff starts at {kv.start_pos}")
+                    raise HandoffError(
+                        f"the decoder holds {layer.offset} tokens, the handoff starts at {kv.start_pos}"
+                    )
                 keys = mx.concatenate([layer.keys[..., : kv.start_pos, :], keys], axis=2)
                 values = mx.concatenate([layer.values[..., : kv.start_pos, :], values], axis=2)
             layer.state = (keys, values, keys.shape[2])
@@ -144,11 +146,16 @@ class Export:
             self.position = stop
         plain = {i: layer for i, layer in enumerate(self.cache) if type(layer) is KVCache}
         if self.position > self.sent_until and plain:
-            rows = {i: layer_rows(layer, self.sent_until, self.position, self.wire_dtype) for i, layer in plain.items()}
+            rows = {
+                i: layer_rows(layer, self.sent_until, self.position, self.wire_dtype)
+                for i, layer in plain.items()
+            }
             self.writer.kv(self.sent_until, self.position, rows)
         self.sent_until = max(self.sent_until, self.position)
         if self.done:
-            states = {i: layer_state(layer, self.wire_dtype) for i, layer in enumerate(self.cache) if i not in plain}
+            states = {
+                i: layer_state(layer, self.wire_dtype) for i, layer in enumerate(self.cache) if i not in plain
+            }
             if states:
                 self.writer.states(self.end, states)
             self.writer.done(self.start_pos, self.end)

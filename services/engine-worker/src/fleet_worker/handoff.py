@@ -1,0 +1,241 @@
+"""Disaggregated prefill/decode between workers: both ends of the handoff protocol.
+
+1. The decode worker asks on `fleet.prefill.<prefill worker>` (request/reply): prefill these
+   prompt tokens from start_pos (what it does not hold itself), transport "stream" or "staged".
+2. The prefill worker starts a prefill-only request in the instance's engine, which writes the
+   KV as handoff chunks into a folder, and replies with its TCP endpoints (fastest first) or the
+   staged object prefix.
+3. stream: the decoder connects and reads the chunks as the engine writes them; staged: the
+   prefill worker uploads each chunk, the decoder reads them from object storage.
+4. The decoder hands the complete folder to its engine (EngineRequest.kv_import) and decodes.
+
+Whatever goes wrong on the way (no reply, refused, unreachable, stalled, broken, corrupt) ends in
+HandoffFailed and the decoder prefills the prompt itself: the request is answered either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fleet_bus import Bus, RequestFailed
+from fleet_proto import HandoffStats, PrefillPlan, PrefillReply, PrefillRequest
+from fleet_proto.subjects import prefill_subject
+from fleet_store import ObjectStore
+from fleet_worker.engines.base import KVImport
+from fleet_worker.handoff_transport import (
+    HandoffFailed,
+    HandoffUnreachable,
+    Received,
+    download_staged,
+    receive_stream,
+    send_folder,
+    staged_prefix,
+    tune,
+    upload_folder,
+)
+from fleet_worker.probe import Interface
+
+log = logging.getLogger("fleet_worker.handoff")
+REQUEST_TIMEOUT_S = 5.0
+CONNECT_WAIT_S = 30.0  # a stream handoff nobody connects to within this is cancelled
+
+# (prefill request, chunk folder) -> why it cannot be prefilled here ("" when it started)
+StartExport = Callable[[PrefillRequest, Path], str]
+CancelExport = Callable[[PrefillRequest], None]
+
+
+def advertised_endpoints(
+    host: str, port: int, configured: str, interfaces: Sequence[Interface]
+) -> tuple[str, ...]:
+    """The endpoints decoders try, fastest network path first (the seed ranks Thunderbolt, then
+    Ethernet, then Wi-Fi: link speed orders them the same way); loopback only when alone."""
+    if configured.strip():
+        return tuple(e.strip() for e in configured.split(",") if e.strip())
+    if host not in ("0.0.0.0", ""):
+        return (f"{host}:{port}",)
+    ranked = sorted(interfaces, key=lambda i: (i.loopback, -i.speed_mbps, i.name))
+    external = [i for i in ranked if not i.loopback] or ranked
+    return tuple(f"{i.address}:{port}" for i in external)
+
+
+class PrefillServer:
+    """The prefill side: answers prefill requests for this node's instances and serves the chunks."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        node_id: str,
+        store: ObjectStore,
+        root: Path,
+        start_export: StartExport,
+        cancel_export: CancelExport,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str = "",
+        interfaces: Sequence[Interface] = (),
+        stall_s: float = 30.0,
+    ) -> None:
+        self._bus = bus
+        self._node_id = node_id
+        self._store = store
+        self._root = root
+        self._start_export = start_export
+        self._cancel_export = cancel_export
+        self._host, self._port = host, port
+        self._advertise = advertise
+        self._interfaces = interfaces
+        self._stall_s = stall_s
+        self._waiting: dict[str, tuple[PrefillRequest, Path]] = {}  # stream handoffs not connected yet
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self._subscription = None
+        self.endpoints: tuple[str, ...] = ()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._on_connection, self._host, self._port)
+        port = self._server.sockets[0].getsockname()[1]
+        self.endpoints = advertised_endpoints(self._host, port, self._advertise, self._interfaces)
+        self._subscription = await self._bus.serve(
+            prefill_subject(self._node_id), PrefillRequest, self._on_request
+        )
+        log.info("prefill handoffs served on %s", ", ".join(self.endpoints))
+
+    async def close(self) -> None:
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, work, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_request(self, request: PrefillRequest) -> PrefillReply:
+        folder = self._root / request.handoff_id
+        problem = self._start_export(request, folder)
+        if problem:
+            return PrefillReply(error=problem)
+        if request.transport == "staged":
+            self._spawn(self._stage(request, folder), f"stage-{request.handoff_id}")
+            return PrefillReply(staged_prefix=staged_prefix(request.handoff_id))
+        self._waiting[request.handoff_id] = (request, folder)
+        self._spawn(self._expire(request.handoff_id), f"expire-{request.handoff_id}")
+        return PrefillReply(endpoints=self.endpoints)
+
+    async def _expire(self, handoff_id: str) -> None:
+        await asyncio.sleep(CONNECT_WAIT_S)
+        entry = self._waiting.pop(handoff_id, None)
+        if entry is not None:
+            log.warning("handoff %s: the decoder never connected; prefill cancelled", handoff_id)
+            self._abandon(*entry)
+
+    def _abandon(self, request: PrefillRequest, folder: Path) -> None:
+        self._cancel_export(request)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    async def _stage(self, request: PrefillRequest, folder: Path) -> None:
+        try:
+            await upload_folder(self._store, folder, request.handoff_id, self._stall_s)
+        except Exception as error:  # the decoder sees the stall and prefills itself
+            log.warning("handoff %s: staging failed: %s", request.handoff_id, error)
+            self._cancel_export(request)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tune(writer)
+        entry = None
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                handoff_id = (await reader.readline()).decode(errors="replace").strip()
+            entry = self._waiting.pop(handoff_id, None)
+            if entry is None:
+                return  # unknown or expired: closing tells the decoder
+            sent = await send_folder(writer, entry[1], self._stall_s)
+            log.info("handoff %s: %d bytes streamed", handoff_id, sent)
+            shutil.rmtree(entry[1], ignore_errors=True)
+            entry = None  # delivered: nothing to cancel
+        except (HandoffFailed, OSError, TimeoutError) as error:
+            log.warning("handoff stream ended early: %r", error)
+        finally:
+            if entry is not None:
+                self._abandon(*entry)
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+class HandoffClient:
+    """The decode side: asks for a remote prefill and receives its chunks into a local folder."""
+
+    def __init__(self, bus: Bus, store: ObjectStore, root: Path, stall_s: float = 30.0) -> None:
+        self._bus = bus
+        self._store = store
+        self._root = root
+        self._stall_s = stall_s
+
+    async def fetch(
+        self, request_id: str, plan: PrefillPlan, prompt: tuple[int, ...], start_pos: int, wire_dtype: str
+    ) -> tuple[KVImport, HandoffStats]:
+        """The received handoff and its numbers; HandoffFailed when the decoder must prefill itself."""
+        transports = ("stream", "staged") if plan.transport == "auto" else (plan.transport,)
+        for transport in transports:
+            handoff_id = uuid.uuid4().hex
+            folder = self._root / handoff_id
+            request = PrefillRequest(
+                handoff_id=handoff_id,
+                request_id=request_id,
+                instance_id=plan.instance_id,
+                prompt_token_ids=prompt,
+                start_pos=start_pos,
+                transport=transport,
+                wire_dtype=wire_dtype,
+            )
+            started = time.perf_counter()
+            try:
+                received = await self._receive(plan.worker_id, request, folder)
+            except HandoffUnreachable:
+                shutil.rmtree(folder, ignore_errors=True)
+                if transport == transports[-1]:
+                    raise
+                log.info("request %s: prefill worker unreachable by TCP, staging instead", request_id)
+                continue
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            stats = HandoffStats(
+                prefill_worker_id=plan.worker_id,
+                transport=transport,
+                start_pos=start_pos,
+                tokens=len(prompt) - 1 - start_pos,
+                chunks=received.chunks,
+                bytes=received.bytes,
+                prefill_s=received.first_at - started,
+                transfer_s=received.last_at - started,
+            )
+            return KVImport(folder=str(folder), handoff_id=handoff_id, start_pos=start_pos), stats
+        raise HandoffFailed(f"no transport in {transports}")
+
+    async def _receive(self, worker_id: str, request: PrefillRequest, folder: Path) -> Received:
+        try:
+            reply = await self._bus.request(
+                prefill_subject(worker_id), request, PrefillReply, REQUEST_TIMEOUT_S
+            )
+        except RequestFailed as error:
+            raise HandoffFailed(f"prefill worker {worker_id}: {error}") from None
+        if reply.error:
+            raise HandoffFailed(f"prefill worker {worker_id} refused: {reply.error}")
+        if request.transport == "staged":
+            return await download_staged(self._store, reply.staged_prefix, folder, self._stall_s)
+        return await receive_stream(reply.endpoints, request.handoff_id, folder, self._stall_s)

@@ -1,0 +1,199 @@
+"""Disaggregated prefill/decode through the real stack: two MLX workers, a tiny random chat llama.
+
+w1 runs a decode-only instance, w2 a prefill-only one. Requests through POST /bench/chat/completions
+are prefilled on w2 and decoded on w1 with the KV handed over by TCP stream or staged in object
+storage; their greedy tokens equal mlx-lm's own run. A long prompt is disaggregated by the routing
+rule alone (> FLEET_DISAGG_MIN_TOKENS uncached tokens). Killing w2 mid-handoff still answers the
+request (w1 prefills it), as does a prefill worker that is gone altogether.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+
+from fleet_bus import Bus
+from fleet_local import stack
+from fleet_local.processes import spawn, stop_pid
+from fleet_proto import RouteDecided
+from tests.support import (
+    TokenTap,
+    embedded_stack,
+    make_chat_model,
+    mlx_greedy,
+    prompt_ids,
+    until_state,
+    worker_env,
+)
+
+MODEL = "tiny/llama-disagg"
+SHORT = [{"role": "user", "content": "tell me about the sea and the sky"}]
+LONG_TEXT = " ".join(f"fact {n}: the number {n * 13 % 97} is odd or even." for n in range(120))
+LONG = [{"role": "system", "content": LONG_TEXT}, {"role": "user", "content": "which numbers?"}]
+
+
+class Cluster:
+    def __init__(self, manifest: stack.StackManifest, model_dir: Path, root: Path, prefill_pid: int) -> None:
+        self.manifest = manifest
+        self.model_dir = model_dir
+        self.root = root
+        self.prefill_pid = prefill_pid
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("disagg")
+    model_dir = make_chat_model(root / "model", max_positions=4096)
+    env = {
+        **os.environ,
+        "FLEET_NODE_ID": "w1",
+        "FLEET_NODE_ENGINES": "mlx",
+        "FLEET_HANDOFF_STALL_S": "3",
+    }
+    # w2 prefills in 16-token steps: a long prompt then takes long enough to be killed mid-handoff
+    options = '{"mlx": {"prefill_step_size": 16}}'
+    with embedded_stack(root / "state", env=env) as manifest:
+        worker = spawn(
+            [sys.executable, "-m", "fleet_worker"],
+            root / "w2.log",
+            worker_env(manifest, "w2", root / "w2", node_engines="mlx", engine_options=options),
+        )
+        try:
+            asyncio.run(setup(manifest.gateway_url, f"file://{model_dir}"))
+            yield Cluster(manifest, model_dir, root, worker.pid)
+        finally:
+            stop_pid(worker.pid)
+
+
+async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict | None = None) -> dict:
+    async with session.request(method, url, json=body) as response:
+        assert response.status < 300, await response.text()
+        return await response.json()
+
+
+async def setup(gateway: str, source: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await call(session, "POST", f"{gateway}/models", {"model": MODEL, "source": source})
+        await until_state(session, gateway, lambda s: MODEL in s["models"] and len(s["nodes"]) == 2, 60)
+        ids = []
+        for node, role in (("w1", "decode"), ("w2", "prefill")):
+            shards = [{"node_id": node, "start_layer": 0, "end_layer": 2}]
+            body = {"model": MODEL, "shards": shards, "role": role}
+            ids.append((await call(session, "POST", f"{gateway}/instances", body))["instance_id"])
+
+        def ready(state: dict) -> bool:
+            return all(state["instances"].get(i, {}).get("status") == "ready" for i in ids)
+
+        await until_state(session, gateway, ready, 120)
+
+
+async def bench(
+    cluster: Cluster, messages: list[dict], max_tokens: int = 8, **options
+) -> tuple[dict, list[int]]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **options}
+    async with TokenTap(cluster.manifest.nats_url) as tap, aiohttp.ClientSession() as session:
+        reply = await call(session, "POST", f"{cluster.manifest.gateway_url}/bench/chat/completions", body)
+        await asyncio.sleep(0.2)
+    return reply, tap.token_ids(reply["id"])
+
+
+@pytest.mark.parametrize("transport", ["stream", "staged"])
+def test_remote_prefill_decodes_like_a_colocated_run(cluster: Cluster, transport: str) -> None:
+    expected = mlx_greedy(cluster.model_dir, prompt_ids(cluster.model_dir, SHORT), 8)
+    reply, tokens = asyncio.run(bench(cluster, SHORT, disaggregated=True, transport=transport))
+    stats = reply["generation_stats"]
+    handoff = stats["handoff"]
+    assert stats["disaggregated"], handoff
+    assert handoff["transport"] == transport and handoff["prefill_worker_id"] == "w2"
+    assert handoff["tokens"] == stats["prompt_tokens"] - 1 and handoff["bytes"] > 0
+    assert 0 < handoff["prefill_s"] <= handoff["transfer_s"]
+    assert tokens == expected
+
+
+def test_a_request_that_forbids_it_is_prefilled_where_it_decodes(cluster: Cluster) -> None:
+    reply, tokens = asyncio.run(bench(cluster, SHORT, disaggregated=False))
+    assert reply["generation_stats"]["handoff"] is None
+    assert tokens == mlx_greedy(cluster.model_dir, prompt_ids(cluster.model_dir, SHORT), 8)
+
+
+def test_bad_bench_options_are_400(cluster: Cluster) -> None:
+    async def post(body: dict) -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session:
+            url = f"{cluster.manifest.gateway_url}/bench/chat/completions"
+            async with session.post(url, json=body) as response:
+                return response.status, await response.json()
+
+    status, body = asyncio.run(post({"model": MODEL, "messages": SHORT, "transport": "pigeon"}))
+    assert status == 400 and body["error"]["param"] == "transport"
+    status, body = asyncio.run(post({"model": MODEL, "messages": SHORT, "disaggregated": "yes"}))
+    assert status == 400
+
+
+async def decided_chat(cluster: Cluster, messages: list[dict]) -> tuple[dict, RouteDecided]:
+    bus = await Bus.connect(cluster.manifest.nats_url, "disagg-test")
+    decisions: dict[str, RouteDecided] = {}
+
+    async def on_decided(msg) -> None:
+        decided = msgspec.json.decode(msg.data, type=RouteDecided)
+        decisions[decided.request_id] = decided
+
+    sub = await bus.nc.subscribe("fleet.route.decided", cb=on_decided)
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    try:
+        async with aiohttp.ClientSession() as session:
+            reply = await call(
+                session, "POST", f"{cluster.manifest.gateway_url}/bench/chat/completions", body
+            )
+            await asyncio.sleep(0.2)
+    finally:
+        await sub.unsubscribe()
+        await bus.close()
+    return reply, decisions[reply["id"]]
+
+
+def test_a_long_uncached_prompt_is_disaggregated_by_the_routing_rule(cluster: Cluster) -> None:
+    prompt = prompt_ids(cluster.model_dir, LONG)
+    assert len(prompt) > 1000
+    reply, decided = asyncio.run(decided_chat(cluster, LONG))
+    assert "uncached tokens > 1000" in decided.reply.reason and decided.reply.prefill_worker_id == "w2"
+    handoff = reply["generation_stats"]["handoff"]
+    assert handoff["transport"] == "stream" and handoff["fallback"] == ""
+    assert reply["choices"][0]["message"]["content"]
+
+
+def test_killing_the_prefill_worker_mid_handoff_still_answers(cluster: Cluster) -> None:
+    """Runs last in this module: w2 is gone afterwards."""
+    prompt = prompt_ids(cluster.model_dir, LONG)
+    expected = mlx_greedy(cluster.model_dir, prompt, 8)
+    out = cluster.root / "w2" / "kv" / "handoff" / "out"
+
+    async def kill_when_chunks_flow() -> float:
+        deadline = time.monotonic() + 60
+        while not any(out.glob("*/000002.safetensors")):
+            assert time.monotonic() < deadline, "the prefill never started"
+            await asyncio.sleep(0.005)
+        os.kill(cluster.prefill_pid, signal.SIGKILL)
+        return time.monotonic()
+
+    async def scenario() -> tuple[dict, list[int]]:
+        killer = asyncio.create_task(kill_when_chunks_flow())
+        result = await bench(cluster, LONG, disaggregated=True, transport="stream")
+        await killer
+        return result
+
+    reply, tokens = asyncio.run(scenario())
+    handoff = reply["generation_stats"]["handoff"]
+    assert "broke" in handoff["fallback"], handoff
+    assert tokens == expected
+    # with the prefill worker gone altogether, requests are prefilled by the decoder at once
+    reply, tokens = asyncio.run(bench(cluster, SHORT, disaggregated=True))
+    assert reply["choices"][0]["message"]["content"]
