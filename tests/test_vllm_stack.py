@@ -207,6 +207,44 @@ async def test_kv_computed_by_vllm_is_reused_by_an_mlx_instance(vllm_stack, clie
     assert tap.token_ids(response.id) == mlx_greedy(model_dir, prompt, 8)
 
 
+async def ensure_mlx_instance(gateway: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gateway}/state") as response:
+            instances = (await response.json())["instances"].values()
+        if not any(i["engine"] == "mlx" for i in instances):
+            async with session.post(
+                f"{gateway}/instances", json={"model": MODEL, "engine": "mlx"}
+            ) as response:
+                assert response.status == 202, await response.text()
+
+        def mlx_ready(state: dict) -> bool:
+            return any(i["engine"] == "mlx" and i["status"] == "ready" for i in state["instances"].values())
+
+        await until_state(session, gateway, mlx_ready, 60)
+
+
+@pytest.mark.parametrize("transport", ["stream", "staged"])
+async def test_vllm_prefills_and_mlx_decodes_a_disaggregated_request(
+    vllm_stack, model_dir, transport
+) -> None:
+    """The seed's headline path: the vLLM instance prefills, its KV goes over (layer by layer from
+    the connector) and the MLX instance decodes exactly as MLX does colocated."""
+    await ensure_mlx_instance(vllm_stack.gateway_url)
+    messages = [{"role": "user", "content": f"Count the {transport} sheep, one by one"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    body |= {"disaggregated": True, "transport": transport}
+    async with TokenTap(vllm_stack.nats_url) as tap, aiohttp.ClientSession() as session:
+        async with session.post(f"{vllm_stack.gateway_url}/bench/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            reply = await response.json()
+        await asyncio.sleep(0.2)
+    stats = reply["generation_stats"]
+    assert stats["disaggregated"], stats["handoff"]
+    assert stats["handoff"]["transport"] == transport and stats["handoff"]["bytes"] > 0
+    prompt = prompt_ids(model_dir, messages)
+    assert tap.token_ids(reply["id"]) == mlx_greedy(model_dir, prompt, 8)
+
+
 def load_manifest_of(manifest: stack.StackManifest, model: str):
     store = ObjectStore(next(p.url for p in manifest.processes if p.name == "s3"))
     try:

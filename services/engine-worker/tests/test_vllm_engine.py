@@ -3,7 +3,8 @@
 Checked against vLLM's own `LLM.generate` on the same folder, and across engines: prompt KV that
 Fleet's connector exports from vLLM is injected into an MLX cache and must decode exactly as MLX's
 own prefill does; MLX-computed prefix KV loaded through the connector must make vLLM skip those
-tokens and give the output it gives alone.
+tokens and give the output it gives alone. Disaggregation: a prefill-only request's KV, handed over
+layer by layer as vLLM computes it, decodes in an MLX engine exactly as MLX's colocated run does.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from fleet_proto import SamplingParams
+from fleet_store.handoff import decode_chunk, read_folder
 from fleet_store.kv import KVFolder, decode_block, folder_fingerprint, prompt_blocks
 from fleet_worker.engine_process import EngineLoadError, EngineProcess
-from fleet_worker.engines.base import EngineOutput, EngineRequest
+from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport
 
 from .tiny_model import VOCAB_SIZE, make_tiny_llama
 
@@ -83,17 +85,19 @@ class Engine:
             if output.finish_reason:
                 self.finished[output.request_id].set_result(self._outputs.pop(output.request_id))
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+    def submit(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams | None = None, **handoff
+    ) -> None:
         self.finished[request_id] = asyncio.get_running_loop().create_future()
         request = EngineRequest(
-            request_id=request_id, prompt_token_ids=tuple(prompt), sampling=sampling or greedy()
+            request_id=request_id, prompt_token_ids=tuple(prompt), sampling=sampling or greedy(), **handoff
         )
         self.process.submit(request)
 
     async def run(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams | None = None
+        self, request_id: str, prompt: list[int], sampling: SamplingParams | None = None, **handoff
     ) -> list[EngineOutput]:
-        self.submit(request_id, prompt, sampling)
+        self.submit(request_id, prompt, sampling, **handoff)
         return await asyncio.wait_for(self.finished[request_id], 120)
 
     async def close(self) -> None:
@@ -260,6 +264,35 @@ async def test_mlx_prefix_kv_loads_into_vllm_and_skips_those_tokens(
         assert tokens(outputs) == reference[tuple(MLX_PROMPTS[1])]
     finally:
         await engine.close()
+
+
+async def test_a_vllm_prefill_hands_its_kv_layer_by_layer_to_an_mlx_decoder(
+    engine: Engine, model_dir: Path, tmp_path: Path
+) -> None:
+    prompt = [(5 * i) % 500 + 3 for i in range(100)]  # new to vLLM: two scheduling steps of 64
+    export = KVExport(folder=str(tmp_path / "h1"), handoff_id="h1")
+    outputs = await engine.run("prefill-h1", prompt, export=export)
+    assert outputs[-1].finish_reason == "length" and tokens(outputs) == []
+    chunks = [decode_chunk(blob, "h1") for blob in read_folder(tmp_path / "h1")]
+    # one chunk per layer per step, as each layer was computed; then the end
+    assert [(c.kind, c.token_start, c.token_end, sorted(c.kv)) for c in chunks] == [
+        ("kv", 0, 64, [0]), ("kv", 0, 64, [1]), ("kv", 64, 99, [0]), ("kv", 64, 99, [1]), ("done", 0, 99, []),
+    ]  # fmt: skip
+    mlx = Engine(await EngineProcess.start("mlx", model_dir, {}, load_timeout_s=120), [])
+    try:
+        colocated = await mlx.run("colocated", prompt)
+        imported = KVImport(folder=export.folder, handoff_id="h1")
+        decoded = await mlx.run("decoded", prompt, kv_import=imported)
+        assert decoded[-1].handoff is None  # used, no fallback
+        assert tokens(decoded) == tokens(colocated) and len(tokens(decoded)) == MAX_TOKENS
+    finally:
+        await mlx.close()
+    # a suffix only, from rows vLLM already holds in its pages, narrowed to the decoder's dtype
+    suffix = KVExport(folder=str(tmp_path / "h2"), handoff_id="h2", start_pos=32, wire_dtype="BF16")
+    await engine.run("prefill-h2", prompt, export=suffix)
+    chunks = [decode_chunk(blob, "h2") for blob in read_folder(tmp_path / "h2")]
+    assert (chunks[0].token_start, chunks[0].kv[0][0].dtype) == (32, "BF16")
+    assert (chunks[-1].kind, chunks[-1].token_start, chunks[-1].token_end) == ("done", 32, 99)
 
 
 async def test_a_model_vllm_cannot_run_fails_to_load_with_vllms_reason(

@@ -15,6 +15,13 @@ halves of vLLM's connector API live here (with the in-process engine core they s
   `get_block_ids_with_load_errors`, and vLLM recomputes from there (kv_load_failure_policy
   "recompute"): a bad blob costs time, never correctness.
 
+Disaggregation: a prefill-only request carries `kv_transfer_params["fleet_export"]` (a KVExport:
+folder, handoff id, start_pos, wire dtype). Each step the scheduler side names its prompt rows
+computed in that step (on its first step also the rows vLLM or Fleet already had cached, from
+start_pos), and `save_kv_layer` writes them as one handoff chunk per layer the moment that layer
+is computed, so the decoder receives layer i while layer i + 1 computes; the step that reaches
+the prompt's last-but-one token ends the handoff with its done chunk.
+
 Rows move in and out of the paged cache through `vllm_paged` (block interiors differ per backend
 and, on CPU, per instruction set).
 """
@@ -35,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
+from fleet_store.handoff import HandoffWriter
 from fleet_store.kv import (
     KVBlobError,
     KVBlock,
@@ -85,10 +93,29 @@ class BlockTransfer:
     slots: tuple[int, ...]  # paged slot of each moved row
 
 
+@dataclass(frozen=True)
+class ExportRows:
+    """Prompt rows of a prefill-only request to hand over after this step's forward pass."""
+
+    folder: str
+    handoff_id: str
+    start_pos: int  # of the whole handoff
+    end: int  # of the whole handoff (the prompt's length - 1)
+    first: int  # rows [first, last) of the prompt go out in this step
+    last: int
+    slots: tuple[int, ...]
+    wire_dtype: str = ""
+
+    @property
+    def completes(self) -> bool:
+        return self.last >= self.end
+
+
 @dataclass
 class FleetConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    exports: list[ExportRows] = field(default_factory=list)
 
 
 @dataclass
@@ -127,11 +154,14 @@ class FleetKVConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, int] = {}  # request -> leading hit tokens seen by the last match
         self._to_load: dict[str, tuple[int, int]] = {}  # request -> token range to load this step
+        self._exports: dict[str, dict[str, Any]] = {}  # request -> its fleet_export parameters
+        self._exported: dict[str, int] = {}  # request -> rows handed over so far (up to)
         # worker side
         self._caches: dict[str, tuple[int, torch.Tensor]] = {}  # layer name -> (layer index, paged cache)
         self._layout: PagedLayout | None = None
         self._assembling: dict[str, dict[int, tuple[WireTensor, WireTensor]]] = {}
         self._load_errors: set[int] = set()
+        self._writers: dict[str, HandoffWriter] = {}  # handoff id -> its chunk folder
 
     # -- scheduler side ----------------------------------------------------------------------------
     def _prompt_blocks(self, request: Request) -> list[tuple[str, str, int, tuple[int, ...]]]:
@@ -139,6 +169,9 @@ class FleetKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt_len = len(request.prompt_token_ids or ())
+        export = (request.kv_transfer_params or {}).get("fleet_export")
+        if export is not None:
+            self._exports[request.request_id] = {**export, "end": prompt_len - 1}
         usable = self._prompt_blocks(request)[: (prompt_len - 1) // self._block_size]
         hit = self._folder.leading_hits(self._fingerprint, [h for h, *_ in usable]) * self._block_size
         self._hits[request.request_id] = hit
@@ -176,7 +209,32 @@ class FleetKVConnector(KVConnectorBase_V1):
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             if req_id in computed_before and req_id in self._tracked:
                 meta.saves += self._completed_blocks(req_id, computed_before[req_id], scheduled)
+                if req_id in self._exports:
+                    meta.exports += self._export_rows(req_id, computed_before[req_id] + scheduled)
         return meta
+
+    def _export_rows(self, req_id: str, computed: int) -> list[ExportRows]:
+        """The rows to hand over once this step has computed the prompt up to `computed`."""
+        spec = self._exports[req_id]
+        end = spec["end"]
+        first = self._exported.get(req_id, spec["start_pos"])
+        last = min(computed, end)
+        if last <= first and not (last == end and req_id not in self._exported):
+            return []
+        self._exported[req_id] = last
+        slots = slots_for(self._tracked[req_id].page_ids, self._page_size, first, last)
+        return [
+            ExportRows(
+                spec["folder"],
+                spec["handoff_id"],
+                spec["start_pos"],
+                end,
+                first,
+                last,
+                slots,
+                spec.get("wire_dtype", ""),
+            )
+        ]
 
     def _transfers(self, req_id: str, start: int, end: int) -> list[BlockTransfer]:
         tracked = self._tracked[req_id]
@@ -204,6 +262,8 @@ class FleetKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._exports.pop(request.request_id, None)
+        self._exported.pop(request.request_id, None)
         return False, None  # saves are synchronous: the pages can go
 
     # -- worker side -------------------------------------------------------------------------------
@@ -274,17 +334,37 @@ class FleetKVConnector(KVConnectorBase_V1):
     ) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FleetConnectorMetadata)
-        if not meta.saves or layer_name not in self._caches:
+        if not (meta.saves or meta.exports) or layer_name not in self._caches:
             return
         layer = self._caches[layer_name][0]
+        for rows in meta.exports:
+            if rows.last > rows.first:
+                self._export_layer(rows, layer, kv_layer)
         for transfer in meta.saves:
             slots = torch.tensor(transfer.slots, dtype=torch.long, device=kv_layer.device)
             keys, values = self._paged().gather(kv_layer, slots)
             self._assembling.setdefault(transfer.block_hash, {})[layer] = (to_wire(keys), to_wire(values))
 
+    def _writer(self, rows: ExportRows) -> HandoffWriter:
+        writer = self._writers.get(rows.handoff_id)
+        if writer is None:
+            writer = self._writers[rows.handoff_id] = HandoffWriter(rows.folder, rows.handoff_id)
+        return writer
+
+    def _export_layer(self, rows: ExportRows, layer: int, kv_layer: torch.Tensor) -> None:
+        slots = torch.tensor(rows.slots, dtype=torch.long, device=kv_layer.device)
+        keys, values = self._paged().gather(kv_layer, slots)
+        if rows.wire_dtype:  # e.g. fp8 or f32 pages, narrowed or widened to what the decoder reads
+            keys, values = keys.to(WIRE_TO_TORCH[rows.wire_dtype]), values.to(WIRE_TO_TORCH[rows.wire_dtype])
+        self._writer(rows).kv(rows.first, rows.last, {layer: (to_wire(keys), to_wire(values))})
+
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FleetConnectorMetadata)
+        for rows in meta.exports:
+            if rows.completes:
+                self._writer(rows).done(rows.start_pos, rows.end)
+                del self._writers[rows.handoff_id]
         for transfer in meta.saves:
             layers = self._assembling.pop(transfer.block_hash, {})
             if len(layers) != len(self._caches):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import current_platform
@@ -154,6 +155,10 @@ class VllmEngine:
             problem = f"prompt of {prompt_len} tokens leaves no room in the context of {self.max_model_len}"
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
+        if not problem and request.kv_import is not None:
+            problem = "the vLLM engine does not decode from handed-over KV (MLX does)"
+        if not problem and request.export is not None and self._kv_blocks is None:
+            problem = "handing KV over needs Fleet's KV connector: start the engine with a kv_dir"
         if problem:
             self._pending.append(error_output(request, problem))
             return
@@ -163,6 +168,11 @@ class VllmEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
+        if request.export is not None:  # prefill only: the connector writes the handoff chunks
+            kwargs |= {
+                "max_tokens": 1,
+                "extra_args": {"kv_transfer_params": {"fleet_export": msgspec.to_builtins(request.export)}},
+            }
         try:
             params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
             self._engine.add_request(
@@ -215,6 +225,8 @@ class VllmEngine:
             finish_reason = FINISH_REASONS.get(completion.finish_reason or "", "stop")
             del self._live[sequence.request.request_id]
         tokens = emitted_tokens(new_tokens, finish_reason, sequence.stop_ids)
+        if sequence.request.export is not None:
+            tokens, finish_reason = [], "length" if finish_reason else ""  # its product is the KV
         cached = (result.num_cached_tokens or 0) if finish_reason else 0
         return sequence.output(tokens, finish_reason, cached)
 
