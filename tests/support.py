@@ -40,11 +40,19 @@ tiny_tokenizer = load_module(REPO / "services/gateway/tests/tiny_tokenizer.py")
 
 
 def make_chat_model(
-    folder: Path, hidden: int = tiny_model.HIDDEN, max_positions: int = tiny_model.MAX_POSITIONS
+    folder: Path,
+    hidden: int = tiny_model.HIDDEN,
+    max_positions: int = tiny_model.MAX_POSITIONS,
+    kind: str = "llama",
 ) -> Path:
-    """Tiny llama weights with the ChatML tokenizer (same special ids: 2 ends a turn); the vLLM tests
-    use hidden 128 (head size 32, the kernel real models take)."""
-    tiny_model.make_tiny_llama(folder, hidden=hidden, max_positions=max_positions)
+    """Tiny random weights with the ChatML tokenizer (same special ids: 2 ends a turn); the vLLM tests
+    use hidden 128 (head size 32, the kernel real models take). kind: "llama", "sliding" (a
+    sliding-window layer of 16 tokens) or "hybrid" (Qwen3-Next-style linear attention + attention)."""
+    if kind == "hybrid":
+        tiny_model.make_tiny_hybrid(folder)
+    else:
+        window = 16 if kind == "sliding" else 0
+        tiny_model.make_tiny_llama(folder, hidden=hidden, max_positions=max_positions, sliding_window=window)
     tiny_tokenizer.make_tiny_tokenizer_folder(folder)
     return folder
 

@@ -1,8 +1,10 @@
-"""Disaggregated prefill/decode through the real stack: two MLX workers, a tiny random chat llama.
+"""Disaggregated prefill/decode through the real stack: two MLX workers, tiny random chat models (a
+llama, a llama with a sliding-window layer, a Qwen3-Next-style hybrid with gated-delta-net layers).
 
-w1 runs a decode-only instance, w2 a prefill-only one. Requests through POST /bench/chat/completions
-are prefilled on w2 and decoded on w1 with the KV handed over by TCP stream or staged in object
-storage; their greedy tokens equal mlx-lm's own run. A long prompt is disaggregated by the routing
+w1 runs a decode-only instance of each, w2 a prefill-only one. Requests through
+POST /bench/chat/completions are prefilled on w2 and decoded on w1 with the KV (and the sliding
+window's ring buffer, the hybrid's conv and recurrent state) handed over by TCP stream or staged in
+object storage; their greedy tokens equal the colocated run's (and, for the llama, mlx-lm's own). A long prompt is disaggregated by the routing
 rule alone (> FLEET_DISAGG_MIN_TOKENS uncached tokens). Killing w2 mid-handoff still answers the
 request (w1 prefills it), as does a prefill worker that is gone altogether.
 """
@@ -36,6 +38,7 @@ from tests.support import (
 )
 
 MODEL = "tiny/llama-disagg"
+STATEFUL_MODELS = {"tiny/sliding-disagg": "sliding", "tiny/hybrid-disagg": "hybrid"}
 SHORT = [{"role": "user", "content": "tell me about the sea and the sky"}]
 LONG_TEXT = " ".join(f"fact {n}: the number {n * 13 % 97} is odd or even." for n in range(120))
 LONG = [{"role": "system", "content": LONG_TEXT}, {"role": "user", "content": "which numbers?"}]
@@ -53,6 +56,9 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("disagg")
     model_dir = make_chat_model(root / "model", max_positions=4096)
+    sources = {MODEL: model_dir}
+    for name, kind in STATEFUL_MODELS.items():
+        sources[name] = make_chat_model(root / kind, kind=kind)
     env = {
         **os.environ,
         "FLEET_NODE_ID": "w1",
@@ -68,7 +74,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             worker_env(manifest, "w2", root / "w2", node_engines="mlx", engine_options=options),
         )
         try:
-            asyncio.run(setup(manifest.gateway_url, f"file://{model_dir}"))
+            asyncio.run(setup(manifest.gateway_url, sources))
             yield Cluster(manifest, model_dir, root, worker.pid)
         finally:
             stop_pid(worker.pid)
@@ -80,15 +86,22 @@ async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict
         return await response.json()
 
 
-async def setup(gateway: str, source: str) -> None:
+async def setup(gateway: str, sources: dict[str, Path]) -> None:
     async with aiohttp.ClientSession() as session:
-        await call(session, "POST", f"{gateway}/models", {"model": MODEL, "source": source})
-        await until_state(session, gateway, lambda s: MODEL in s["models"] and len(s["nodes"]) == 2, 60)
+        for model, folder in sources.items():
+            await call(session, "POST", f"{gateway}/models", {"model": model, "source": f"file://{folder}"})
+
+        def staged(state: dict) -> bool:
+            return all(m in state["models"] for m in sources) and len(state["nodes"]) == 2
+
+        state = await until_state(session, gateway, staged, 60)
         ids = []
-        for node, role in (("w1", "decode"), ("w2", "prefill")):
-            shards = [{"node_id": node, "start_layer": 0, "end_layer": 2}]
-            body = {"model": MODEL, "shards": shards, "role": role}
-            ids.append((await call(session, "POST", f"{gateway}/instances", body))["instance_id"])
+        for model in sources:
+            layers = state["models"][model]["num_layers"]
+            for node, role in (("w1", "decode"), ("w2", "prefill")):
+                shards = [{"node_id": node, "start_layer": 0, "end_layer": layers}]
+                body = {"model": model, "shards": shards, "role": role}
+                ids.append((await call(session, "POST", f"{gateway}/instances", body))["instance_id"])
 
         def ready(state: dict) -> bool:
             return all(state["instances"].get(i, {}).get("status") == "ready" for i in ids)
@@ -117,6 +130,17 @@ def test_remote_prefill_decodes_like_a_colocated_run(cluster: Cluster, transport
     assert handoff["tokens"] == stats["prompt_tokens"] - 1 and handoff["bytes"] > 0
     assert 0 < handoff["prefill_s"] <= handoff["transfer_s"]
     assert tokens == expected
+
+
+@pytest.mark.parametrize("transport", ["stream", "staged"])
+@pytest.mark.parametrize("model", sorted(STATEFUL_MODELS))
+def test_sliding_window_and_ssm_state_move_too(cluster: Cluster, model: str, transport: str) -> None:
+    colocated, expected = asyncio.run(bench(cluster, SHORT, model=model, disaggregated=False))
+    assert colocated["generation_stats"]["handoff"] is None
+    reply, tokens = asyncio.run(bench(cluster, SHORT, model=model, disaggregated=True, transport=transport))
+    handoff = reply["generation_stats"]["handoff"]
+    assert handoff["transport"] == transport and handoff["fallback"] == "", handoff
+    assert tokens == expected and len(tokens) == 8
 
 
 def test_a_request_that_forbids_it_is_prefilled_where_it_decodes(cluster: Cluster) -> None:

@@ -108,3 +108,11 @@ def test_a_handoff_the_engine_cannot_continue_is_refused(tmp_path: Path) -> None
     )
     _, final = run(engine, [bad])
     assert final["x"].finish_reason == "error" and "prefix cache" in final["x"].error
+    # a decoder that cannot take a handoff prefills the prompt itself and says why
+    colocated, _ = run(engine, [request("c", PROMPT, greedy(6))])
+    unusable = KVImport(folder=str(tmp_path / "none"), handoff_id="h1", start_pos=32)
+    imported = EngineRequest(
+        request_id="d", prompt_token_ids=tuple(PROMPT), sampling=greedy(6), kv_import=unusable
+    )
+    tokens, final = run(engine, [imported])
+    assert tokens["d"] == colocated["c"] and "prefix cache" in final["d"].handoff.fallback

@@ -37,6 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
@@ -185,8 +186,14 @@ class MlxEngine:
         problem = request_problem(request, self.vocab_size)
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
-        if not problem:
+        fallback = ""
+        if not problem and request.export is not None:
             problem = self._handoff_request_problem(request)
+        if not problem and request.kv_import is not None:
+            fallback = self._handoff_request_problem(request)  # then prefilled here, never refused
+            if fallback:
+                log.warning("request %s: handoff not used, prefilling here: %s", request.request_id, fallback)
+                request = msgspec.structs.replace(request, kv_import=None)
         if problem:
             self._pending.append(error_output(request, problem))
             return
@@ -204,7 +211,7 @@ class MlxEngine:
                 repetition_context_size=len(request.prompt_token_ids) + params.max_tokens,
             )
         sampler = make_seeded_sampler(params, self.vocab_size)
-        sequence = _Sequence(request, self._next_uid, sampler, processors, stop)
+        sequence = _Sequence(request, self._next_uid, sampler, processors, stop, fallback=fallback)
         self._next_uid += 1
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
