@@ -4,9 +4,10 @@ llama, a llama with a sliding-window layer, a Qwen3-Next-style hybrid with gated
 w1 runs a decode-only instance of each, w2 a prefill-only one. Requests through
 POST /bench/chat/completions are prefilled on w2 and decoded on w1 with the KV (and the sliding
 window's ring buffer, the hybrid's conv and recurrent state) handed over by TCP stream or staged in
-object storage; their greedy tokens equal the colocated run's (and, for the llama, mlx-lm's own). A long prompt is disaggregated by the routing
-rule alone (> FLEET_DISAGG_MIN_TOKENS uncached tokens). Killing w2 mid-handoff still answers the
-request (w1 prefills it), as does a prefill worker that is gone altogether.
+object storage; their greedy tokens equal the colocated run's (and, for the llama, mlx-lm's own).
+A long prompt is disaggregated by the routing rule alone (> FLEET_DISAGG_MIN_TOKENS uncached
+tokens). Killing w2 mid-handoff still answers the request (w1 prefills it), as does a prefill
+worker that is gone altogether.
 """
 
 from __future__ import annotations

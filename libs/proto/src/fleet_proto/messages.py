@@ -57,6 +57,9 @@ class HandoffStats(Frozen):
     bytes: int = 0
     prefill_s: float = 0.0  # prefill request sent -> first chunk received
     transfer_s: float = 0.0  # prefill request sent -> last chunk received
+    # The last chunk's write on the prefill side -> its arrival here: what the handoff adds after
+    # the prefill's compute (wall clocks of both hosts)
+    tail_s: float = 0.0
     fallback: str = ""  # why the decoder prefilled locally after all ("" when the handoff worked)
 
 

@@ -26,8 +26,9 @@ import json
 import os
 import struct
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fleet_store.kv import KVBlobError, WireTensor, deserialize_safetensors, serialize_safetensors
@@ -62,6 +63,9 @@ class HandoffChunk:
     kv: Mapping[int, tuple[WireTensor, WireTensor]] = field(default_factory=dict)
     states: Mapping[int, LayerState] = field(default_factory=dict)
     reason: str = ""  # error chunks
+    written_at: float = (
+        0.0  # wall clock when the producer wrote it (what a transfer adds is measured from it)
+    )
 
     def encode(self) -> bytes:
         tensors: dict[str, WireTensor] = {}
@@ -89,6 +93,7 @@ class HandoffChunk:
             "token_end": str(self.token_end),
             "states": json.dumps(states, separators=(",", ":")),
             "reason": self.reason,
+            "written_at": repr(self.written_at),
             "data_sha256": _digest(tensors.values()),
         }
         return serialize_safetensors(tensors, metadata)
@@ -130,7 +135,15 @@ def decode_chunk(data: bytes, handoff_id: str = "") -> HandoffChunk:
             )
             states[int(layer)] = LayerState(entry["class"], arrays, tuple(entry["meta"]))
         chunk = HandoffChunk(
-            meta["handoff_id"], int(meta["seq"]), kind, start, end, kv, states, meta.get("reason", "")
+            meta["handoff_id"],
+            int(meta["seq"]),
+            kind,
+            start,
+            end,
+            kv,
+            states,
+            meta.get("reason", ""),
+            float(meta.get("written_at", "0")),
         )
     except (KeyError, ValueError, TypeError) as error:
         raise HandoffError(f"incomplete handoff chunk: {error}") from None
@@ -139,13 +152,17 @@ def decode_chunk(data: bytes, handoff_id: str = "") -> HandoffChunk:
     return chunk
 
 
-def chunk_kind(data: bytes) -> str:
-    """A chunk's kind from its header alone (no hashing): "" when the blob is no chunk."""
+def chunk_metadata(data: bytes) -> dict[str, str]:
+    """A chunk's metadata from its header alone (no hashing): {} when the blob is no chunk."""
     try:
         (length,) = struct.unpack("<Q", data[:8])
-        return str(json.loads(data[8 : 8 + length])["__metadata__"]["kind"])
+        return dict(json.loads(data[8 : 8 + length])["__metadata__"])
     except (struct.error, ValueError, KeyError, TypeError):
-        return ""
+        return {}
+
+
+def chunk_kind(data: bytes) -> str:
+    return chunk_metadata(data).get("kind", "")
 
 
 def frame(blob: bytes) -> bytes:
@@ -175,7 +192,7 @@ class HandoffWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def _write(self, chunk: HandoffChunk) -> None:
-        data = chunk.encode()
+        data = replace(chunk, written_at=time.time()).encode()
         target = self.folder / chunk_name(chunk.seq)
         with tempfile.NamedTemporaryFile(dir=self.folder, suffix=".part", delete=False) as file:
             file.write(data)

@@ -223,6 +223,7 @@ class HandoffClient:
                 bytes=received.bytes,
                 prefill_s=received.first_at - started,
                 transfer_s=received.last_at - started,
+                tail_s=received.tail_s,
             )
             return KVImport(folder=str(folder), handoff_id=handoff_id, start_pos=start_pos), stats
         raise HandoffFailed(f"no transport in {transports}")

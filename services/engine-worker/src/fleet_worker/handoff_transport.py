@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet_store import KV_BUCKET, ObjectNotFound, ObjectStore, StoreError
-from fleet_store.handoff import FRAME_HEADER, HandoffError, chunk_kind, chunk_name, frame_length
+from fleet_store.handoff import (
+    FRAME_HEADER,
+    HandoffError,
+    chunk_kind,
+    chunk_metadata,
+    chunk_name,
+    frame_length,
+)
 
 POLL_S = 0.002  # how often a chunk folder is looked at for the next file
 STAGED_POLL_S = 0.02
@@ -46,6 +53,19 @@ class Received:
     bytes: int = 0
     first_at: float = 0.0  # perf_counter of the first chunk's arrival
     last_at: float = 0.0
+    tail_s: float = 0.0  # the last chunk's write (producer's wall clock) -> its arrival
+
+    def took(self, blob: bytes) -> bool:
+        """Count an arrived chunk; True when it is the last one."""
+        self.last_at = time.perf_counter()
+        self.first_at = self.first_at or self.last_at
+        self.chunks += 1
+        self.bytes += len(blob)
+        meta = chunk_metadata(blob)
+        if meta.get("kind") not in TERMINAL_KINDS:
+            return False
+        self.tail_s = max(time.time() - float(meta.get("written_at", "0") or 0), 0.0)
+        return True
 
 
 def staged_prefix(handoff_id: str) -> str:
@@ -107,12 +127,8 @@ async def receive_stream(
             async with asyncio.timeout(stall_s):
                 length = frame_length(await reader.readexactly(FRAME_HEADER.size))
                 blob = await reader.readexactly(length)
-            received.last_at = time.perf_counter()
-            received.first_at = received.first_at or received.last_at
             await asyncio.to_thread(_write_chunk, folder, received.chunks, blob)
-            received.chunks += 1
-            received.bytes += length
-            if chunk_kind(blob) in TERMINAL_KINDS:
+            if received.took(blob):
                 return received
     except (asyncio.IncompleteReadError, ConnectionError, HandoffError) as error:
         raise HandoffFailed(f"the handoff stream broke after {received.chunks} chunks: {error!r}") from None
@@ -165,13 +181,9 @@ async def download_staged(store: ObjectStore, prefix: str, folder: Path, stall_s
                 continue
             except StoreError as error:
                 raise HandoffFailed(f"staged chunk {received.chunks} unreadable: {error}") from None
-            received.last_at = time.perf_counter()
-            received.first_at = received.first_at or received.last_at
             await asyncio.to_thread(_write_chunk, folder, received.chunks, blob)
-            received.chunks += 1
-            received.bytes += len(blob)
             waited_since = time.monotonic()
-            if chunk_kind(blob) in TERMINAL_KINDS:
+            if received.took(blob):
                 return received
     finally:
         try:
