@@ -4,12 +4,14 @@ fleet up [--state-dir .fleet] [--port 8000] [--detach]
 fleet status [--state-dir .fleet] [--json]
 fleet down [--state-dir .fleet]
 fleet pull MODEL --source SRC [--gateway URL]   (stage a model, with a progress bar)
+fleet bench NAME [ARGS...]                       (run bench/NAME.py of this checkout, e.g. disagg)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -116,6 +118,27 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         return 1
 
 
+BENCH_DIR = Path(__file__).resolve().parents[4] / "bench"  # the repository's, for an editable install
+
+
+def bench_script(name: str, bench_dir: Path = BENCH_DIR) -> Path:
+    """bench/<name>.py, or BootstrapError naming the benchmarks there are."""
+    script = bench_dir / f"{name}.py"
+    if name.startswith(("_", ".")) or "/" in name or not script.is_file():
+        known = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem != "cluster")
+        raise BootstrapError(f"no benchmark {name!r} in {bench_dir}; known: {', '.join(known) or 'none'}")
+    return script
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        script = bench_script(args.name)
+    except BootstrapError as exc:
+        print(f"fleet bench: {exc}", file=sys.stderr)
+        return 2
+    os.execv(sys.executable, [sys.executable, str(script), *args.args])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet", description="Run Fleet's embedded stack on this machine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,8 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         "--source", required=True, help="org/name[@rev], file:///dir, gguf:///f.gguf, pkg:name"
     )
     pull_parser.add_argument("--gateway", default="", help="gateway URL (default: the stack in --state-dir)")
+    bench_parser = sub.add_parser("bench", help="run a benchmark of this checkout (bench/NAME.py)")
+    bench_parser.add_argument("name", help="e.g. disagg, kv_tiers, first_light")
+    bench_parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     args = parser.parse_args(argv)
-    handlers = {"up": _cmd_up, "down": _cmd_down, "status": _cmd_status, "pull": _cmd_pull}
+    handlers = {
+        "up": _cmd_up,
+        "down": _cmd_down,
+        "status": _cmd_status,
+        "pull": _cmd_pull,
+        "bench": _cmd_bench,
+    }
     return handlers[args.command](args)
 
 

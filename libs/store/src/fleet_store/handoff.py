@@ -230,12 +230,34 @@ def append_error(folder: str | Path, handoff_id: str, reason: str) -> None:
     writer.error(reason)
 
 
+# A received handoff: its chunks in one file, framed as on the wire (one file, not one per chunk:
+# creating files is what a receiver would otherwise spend its time on).
+FRAMES_FILE = "chunks.frames"
+
+
 def read_folder(folder: str | Path) -> Iterator[bytes]:
-    """The chunk files of a complete handoff folder, in sequence order."""
+    """The chunks of a complete handoff folder in sequence order: its frames file, when it has
+    one, else its numbered chunk files."""
+    frames = Path(folder) / FRAMES_FILE
+    if frames.is_file():
+        yield from read_frames(frames)
+        return
     seq = 0
     while (path := Path(folder) / chunk_name(seq)).is_file():
         yield path.read_bytes()
         seq += 1
+
+
+def read_frames(path: str | Path) -> Iterator[bytes]:
+    with Path(path).open("rb") as file:
+        while header := file.read(FRAME_HEADER.size):
+            if len(header) < FRAME_HEADER.size:
+                raise HandoffError("a frame header is cut short")
+            length = frame_length(header)
+            blob = file.read(length)
+            if len(blob) < length:
+                raise HandoffError(f"a chunk is cut short at {len(blob)} of {length} bytes")
+            yield blob
 
 
 # -- assembling a received handoff ------------------------------------------------------------------

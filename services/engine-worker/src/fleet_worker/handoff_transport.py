@@ -19,15 +19,17 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from fleet_store import KV_BUCKET, ObjectNotFound, ObjectStore, StoreError
 from fleet_store.handoff import (
     FRAME_HEADER,
+    FRAMES_FILE,
     HandoffError,
-    chunk_kind,
     chunk_metadata,
     chunk_name,
     frame_length,
@@ -72,8 +74,18 @@ def staged_prefix(handoff_id: str) -> str:
     return f"handoff/{handoff_id}"
 
 
-async def follow_folder(folder: Path, stall_s: float) -> AsyncIterator[bytes]:
-    """The chunk files of a handoff being written, in order, until its done or error chunk."""
+def _header_of(path: Path) -> tuple[dict[str, str], int]:
+    """A chunk file's metadata (from its header alone) and its size."""
+    with path.open("rb") as file:
+        head = file.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else 0
+        meta = chunk_metadata(head + file.read(length))
+        return meta, path.stat().st_size
+
+
+async def follow_folder(folder: Path, stall_s: float) -> AsyncIterator[tuple[Path, int]]:
+    """The chunk files (path, size) of a handoff being written, in order, up to its done or error
+    chunk. Files are small and in the page cache: they are looked at without a thread hop."""
     seq, waited_since = 0, time.monotonic()
     while True:
         path = folder / chunk_name(seq)
@@ -82,9 +94,9 @@ async def follow_folder(folder: Path, stall_s: float) -> AsyncIterator[bytes]:
                 raise HandoffFailed(f"no chunk {seq} within {stall_s:g} s")
             await asyncio.sleep(POLL_S)
             continue
-        blob = await asyncio.to_thread(path.read_bytes)
-        yield blob
-        if chunk_kind(blob) in TERMINAL_KINDS:
+        meta, size = _header_of(path)
+        yield path, size
+        if meta.get("kind") in TERMINAL_KINDS:
             return
         seq, waited_since = seq + 1, time.monotonic()
 
@@ -98,18 +110,25 @@ def tune(writer: asyncio.StreamWriter) -> None:
 
 
 async def send_folder(writer: asyncio.StreamWriter, folder: Path, stall_s: float) -> int:
-    """Stream a handoff folder's chunks as they appear; returns the bytes sent."""
+    """Stream a handoff folder's chunks as they appear (the kernel copies the files: sendfile);
+    returns the bytes sent."""
+    loop = asyncio.get_running_loop()
     sent = 0
-    async for blob in follow_folder(folder, stall_s):
-        writer.write(FRAME_HEADER.pack(len(blob)))
-        writer.write(blob)
+    async for path, size in follow_folder(folder, stall_s):
+        writer.write(FRAME_HEADER.pack(size))
         await writer.drain()
-        sent += len(blob)
+        with path.open("rb") as file:
+            await loop.sendfile(writer.transport, file)
+        sent += size
     return sent
 
 
-def _write_chunk(folder: Path, seq: int, blob: bytes) -> None:
-    (folder / chunk_name(seq)).write_bytes(blob)
+@contextmanager
+def frames_file(folder: Path) -> Iterator[BinaryIO]:
+    """The received handoff's one file of framed chunks (fleet_store.handoff.FRAMES_FILE)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / FRAMES_FILE).open("wb") as file:
+        yield file
 
 
 async def receive_stream(
@@ -122,14 +141,15 @@ async def receive_stream(
         tune(writer)
         writer.write(f"{handoff_id}\n".encode())
         await writer.drain()
-        await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
-        while True:
-            async with asyncio.timeout(stall_s):
-                length = frame_length(await reader.readexactly(FRAME_HEADER.size))
-                blob = await reader.readexactly(length)
-            await asyncio.to_thread(_write_chunk, folder, received.chunks, blob)
-            if received.took(blob):
-                return received
+        with frames_file(folder) as frames:
+            while True:
+                async with asyncio.timeout(stall_s):
+                    header = await reader.readexactly(FRAME_HEADER.size)
+                    blob = await reader.readexactly(frame_length(header))
+                frames.write(header)  # into the page cache: no thread hop
+                frames.write(blob)
+                if received.took(blob):
+                    return received
     except (asyncio.IncompleteReadError, ConnectionError, HandoffError) as error:
         raise HandoffFailed(f"the handoff stream broke after {received.chunks} chunks: {error!r}") from None
     except TimeoutError:
@@ -156,37 +176,39 @@ async def upload_folder(store: ObjectStore, folder: Path, handoff_id: str, stall
     """Stage a handoff folder's chunks in object storage as they appear; returns the bytes."""
     sent, prefix = 0, staged_prefix(handoff_id)
     seq = 0
-    async for blob in follow_folder(folder, stall_s):
-        await asyncio.to_thread(store.put_bytes, KV_BUCKET, f"{prefix}/{chunk_name(seq)}", blob)
-        sent += len(blob)
+    async for path, size in follow_folder(folder, stall_s):
+        await asyncio.to_thread(store.put_file, KV_BUCKET, f"{prefix}/{chunk_name(seq)}", path)
+        sent += size
         seq += 1
     return sent
 
 
 async def download_staged(store: ObjectStore, prefix: str, folder: Path, stall_s: float) -> Received:
     """Read a staged handoff's chunks in order as they are uploaded, into folder; then delete them."""
-    received, waited_since = Received(), time.monotonic()
-    await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
+    received = Received()
     try:
-        while True:
-            key = f"{prefix}/{chunk_name(received.chunks)}"
-            try:
-                blob = await asyncio.to_thread(store.get_bytes, KV_BUCKET, key)
-            except ObjectNotFound:
-                if time.monotonic() - waited_since > stall_s:
-                    raise HandoffFailed(
-                        f"staged chunk {received.chunks} did not appear within {stall_s:g} s"
-                    ) from None
-                await asyncio.sleep(STAGED_POLL_S)
-                continue
-            except StoreError as error:
-                raise HandoffFailed(f"staged chunk {received.chunks} unreadable: {error}") from None
-            await asyncio.to_thread(_write_chunk, folder, received.chunks, blob)
-            waited_since = time.monotonic()
-            if received.took(blob):
-                return received
+        with frames_file(folder) as frames:
+            while True:
+                blob = await _next_staged(store, f"{prefix}/{chunk_name(received.chunks)}", stall_s)
+                frames.write(FRAME_HEADER.pack(len(blob)))
+                frames.write(blob)
+                if received.took(blob):
+                    return received
     finally:
         try:
             await asyncio.to_thread(store.delete_prefix, KV_BUCKET, prefix + "/")
         except StoreError:
             pass  # a leftover handoff object costs space only
+
+
+async def _next_staged(store: ObjectStore, key: str, stall_s: float) -> bytes:
+    waited_since = time.monotonic()
+    while True:
+        try:
+            return await asyncio.to_thread(store.get_bytes, KV_BUCKET, key)
+        except ObjectNotFound:
+            if time.monotonic() - waited_since > stall_s:
+                raise HandoffFailed(f"staged chunk {key} did not appear within {stall_s:g} s") from None
+            await asyncio.sleep(STAGED_POLL_S)
+        except StoreError as error:
+            raise HandoffFailed(f"staged chunk {key} unreadable: {error}") from None

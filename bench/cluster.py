@@ -1,0 +1,92 @@
+"""What the multi-worker benchmarks share: a gateway client, an embedded stack with a second
+engine-worker, placing instances on a node, and writing a result file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict | None = None) -> dict:
+    async with session.request(method, url, json=body) as response:
+        if response.status >= 300:
+            raise RuntimeError(f"{method} {url}: {response.status} {await response.text()}")
+        return await response.json()
+
+
+async def until(session: aiohttp.ClientSession, gateway: str, predicate, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = await call(session, "GET", f"{gateway}/state")
+        if predicate(state):
+            return state
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting; instances {state['instances']}")
+        await asyncio.sleep(0.5)
+
+
+async def stage(gateway: str, model: str, source: str, nodes: int = 2) -> dict:
+    async with aiohttp.ClientSession() as session:
+        await call(session, "POST", f"{gateway}/models", {"model": model, "source": source})
+        return await until(session, gateway, lambda s: model in s["models"] and len(s["nodes"]) == nodes, 900)
+
+
+async def serve_on(gateway: str, model: str, node: str, layers: int, **extra: str) -> str:
+    """A ready instance of the whole model on `node` (extra: engine, role)."""
+    shards = [{"node_id": node, "start_layer": 0, "end_layer": layers}]
+    async with aiohttp.ClientSession() as session:
+        body = {"model": model, "shards": shards, **extra}
+        iid = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
+        await until(session, gateway, lambda s: s["instances"].get(iid, {}).get("status") == "ready", 900)
+    return iid
+
+
+async def delete(gateway: str, instance_id: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await call(session, "DELETE", f"{gateway}/instances/{instance_id}")
+        await until(session, gateway, lambda s: instance_id not in s["instances"], 120)
+
+
+@contextmanager
+def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iterator:
+    """An embedded stack whose own worker is w1, plus a second worker w2; yields the manifest."""
+    from fleet_local import stack
+    from fleet_local.processes import free_port, spawn, stop_pid
+
+    os.environ |= {"FLEET_NODE_ID": "w1", **w1}
+    manifest = stack.up(state_dir, gateway_port=free_port())
+    servers = {p.name: p.url for p in manifest.processes}
+    env = {
+        **os.environ,
+        "FLEET_NATS_URL": manifest.nats_url,
+        "FLEET_S3_ENDPOINT": servers["s3"],
+        "FLEET_REDIS_URL": servers["redis"],
+        "FLEET_STATE_DIR": str(state_dir / "w2"),
+        "FLEET_HEALTH_PORT": "0",
+        "FLEET_NODE_ID": "w2",
+        **w2,
+    }
+    worker = spawn([sys.executable, "-m", "fleet_worker"], state_dir / "logs" / "w2.log", env)
+    try:
+        yield manifest
+    finally:
+        stop_pid(worker.pid)
+        stack.down(state_dir)
+
+
+def write_result(out: Path, name: str, result: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result | {"at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+    print(f"\nwrote {path}")
+    return path
