@@ -100,3 +100,10 @@ def test_the_vllm_gpu_worker_is_opt_in_and_reserves_gpus(config: dict) -> None:
     dockerfile = REPO / worker["build"]["context"] / worker["build"]["dockerfile"]
     assert dockerfile.is_file() and "vllm/vllm-openai:" in dockerfile.read_text()
     assert "container_name" not in worker and "ports" not in worker  # scales like the CPU worker
+
+
+@pytest.mark.parametrize("worker", ["engine-worker", "engine-worker-vllm"])
+def test_workers_serve_kv_handoffs_on_the_compose_network(config: dict, worker: str) -> None:
+    env = config["services"][worker]["environment"]
+    assert env["FLEET_HANDOFF_HOST"] == "0.0.0.0" and env["FLEET_HANDOFF_PORT"] == "8900"
+    assert env["FLEET_NATS_URL"] == "nats://nats:4222"  # the shared settings still apply

@@ -119,13 +119,14 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 
 BENCH_DIR = Path(__file__).resolve().parents[4] / "bench"  # the repository's, for an editable install
+BENCH_HELPERS = {"cluster"}  # modules there that the benchmarks import
 
 
 def bench_script(name: str, bench_dir: Path = BENCH_DIR) -> Path:
     """bench/<name>.py, or BootstrapError naming the benchmarks there are."""
     script = bench_dir / f"{name}.py"
-    if name.startswith(("_", ".")) or "/" in name or not script.is_file():
-        known = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem != "cluster")
+    if name.startswith(("_", ".")) or "/" in name or name in BENCH_HELPERS or not script.is_file():
+        known = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem not in BENCH_HELPERS)
         raise BootstrapError(f"no benchmark {name!r} in {bench_dir}; known: {', '.join(known) or 'none'}")
     return script
 
