@@ -61,6 +61,7 @@ bench: install
 	$(BIN)/python bench/staging_throughput.py
 	$(if $(VLLM_CPU),$(BIN)/python bench/vllm_serving.py)
 	$(BIN)/python bench/kv_tiers.py
+	$(if $(VLLM_CPU),$(BIN)/python bench/disagg.py,$(BIN)/python bench/disagg.py --tiny)
 
 docker:
 	docker compose build

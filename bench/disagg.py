@@ -2,7 +2,7 @@
 
     fleet bench disagg                      # SmolLM2-135M: vLLM CPU prefill on w2 -> MLX decode on w1
     fleet bench disagg --tiny               # a tiny random llama, MLX -> MLX (seconds, not minutes)
-    fleet bench disagg --pp 512,2048 --tg 8 # the sweep (prompt tokens, generated tokens)
+    fleet bench disagg --pp 512,2048 --tg 8,64  # the sweep (prompt tokens x generated tokens)
 
 Starts an embedded stack (its worker w1 runs a decode-only MLX instance) plus a worker w2 with a
 prefill-only instance, then for every prompt length serves a new prompt (a nonce first: nothing is
@@ -61,21 +61,22 @@ async def bench_request(gateway: str, model: str, messages: list[dict], tg: int,
     return reply["generation_stats"]
 
 
-async def sweep(gateway: str, model: str, tokenizer, pps: list[int], tg: int) -> list[dict]:
-    rows = []
-    for pp in pps:
-        row: dict = {"pp": pp, "tg": tg}
-        for mode, options in MODES.items():
-            messages = prompt_for(tokenizer, pp, f"run {secrets.token_hex(4)}:")
-            stats = await bench_request(gateway, model, messages, tg, options)
-            row[mode] = stats
-            print(
-                f"  pp {pp:5} {mode:9} TTFT {stats['ttft_s'] * 1000:9.0f} ms  {describe(stats)}", flush=True
-            )
-        for mode in ("stream", "staged"):
-            row[f"ttft_{mode}_over_colocated"] = row[mode]["ttft_s"] / row["colocated"]["ttft_s"]
-        rows.append(row)
-    return rows
+async def sweep(gateway: str, model: str, tokenizer, pps: list[int], tgs: list[int]) -> list[dict]:
+    return [await sweep_point(gateway, model, tokenizer, pp, tg) for pp in pps for tg in tgs]
+
+
+async def sweep_point(gateway: str, model: str, tokenizer, pp: int, tg: int) -> dict:
+    """One prompt length and generation length, served colocated, streamed and staged."""
+    row: dict = {"pp": pp, "tg": tg}
+    for mode, options in MODES.items():
+        messages = prompt_for(tokenizer, pp, f"run {secrets.token_hex(4)}:")
+        stats = await bench_request(gateway, model, messages, tg, options)
+        row[mode] = stats
+        ttft = f"TTFT {stats['ttft_s'] * 1000:9.0f} ms"
+        print(f"  pp {pp:5} tg {tg:4} {mode:9} {ttft}  {describe(stats)}", flush=True)
+    for mode in ("stream", "staged"):
+        row[f"ttft_{mode}_over_colocated"] = row[mode]["ttft_s"] / row["colocated"]["ttft_s"]
+    return row
 
 
 def describe(stats: dict) -> str:
@@ -185,7 +186,7 @@ def main() -> int:
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny random llama, MLX -> MLX")
     parser.add_argument("--pp", default="", help="prompt lengths, comma-separated (default 512,2048)")
-    parser.add_argument("--tg", type=int, default=8, help="tokens to generate per request")
+    parser.add_argument("--tg", default="8", help="tokens to generate per request, comma-separated")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     pps = [int(p) for p in (args.pp or "512,2048").split(",")]
@@ -213,7 +214,7 @@ def main() -> int:
         asyncio.run(serve_on(gateway, model, "w1", layers, engine="mlx", role="decode"))
         asyncio.run(serve_on(gateway, model, "w2", layers, engine=prefill_engine, role="prefill"))
         tokenizer = ChatTokenizer.from_folder(state_dir / "models" / model / "main")
-        rows = asyncio.run(sweep(gateway, model, tokenizer, pps, args.tg))
+        rows = asyncio.run(sweep(gateway, model, tokenizer, pps, [int(t) for t in args.tg.split(",")]))
     largest = max(
         (r["stream"]["handoff"] for r in rows if r["stream"].get("handoff")), key=lambda h: h["bytes"]
     )
@@ -226,7 +227,8 @@ def main() -> int:
     )
     for row in rows:
         print(
-            f"pp {row['pp']:5}: TTFT stream / colocated {row['ttft_stream_over_colocated']:.3f}, "
+            f"pp {row['pp']:5} tg {row['tg']:4}: TTFT stream / colocated "
+            f"{row['ttft_stream_over_colocated']:.3f}, "
             f"staged / colocated {row['ttft_staged_over_colocated']:.3f}"
         )
     result = {

@@ -162,6 +162,15 @@ def test_bad_bench_options_are_400(cluster: Cluster) -> None:
     status, body = asyncio.run(post({"model": MODEL, "messages": SHORT, "disaggregated": "yes"}))
     assert status == 400
 
+    async def create(role: str) -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session:
+            url = f"{cluster.manifest.gateway_url}/instances"
+            async with session.post(url, json={"model": MODEL, "role": role}) as response:
+                return response.status, await response.json()
+
+    status, body = asyncio.run(create("sometimes"))
+    assert status == 400 and body["error"]["param"] == "role"
+
 
 async def decided_chat(cluster: Cluster, messages: list[dict]) -> tuple[dict, RouteDecided]:
     bus = await Bus.connect(cluster.manifest.nats_url, "disagg-test")

@@ -12,6 +12,8 @@
 #   - Fleet's KV connector: export of every prompt block, vLLM KV -> MLX cache decodes as MLX's own
 #     prefill, MLX prefix KV -> vLLM skips those tokens, a corrupt block is recomputed
 #     (the MLX side runs MLX's CPU build, which this script installs);
+#   - disaggregation: a vLLM prefill-only request hands its KV over layer by layer from CUDA pages
+#     (and a suffix from start_pos, narrowed to bf16) and an MLX engine decodes it as colocated;
 #   - the pure layout and sampling tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

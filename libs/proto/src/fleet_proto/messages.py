@@ -161,7 +161,6 @@ class RouteRequest(Frozen):
     kv_fingerprint: str = ""  # the model's, which the block hashes (and the KV index keys) are seeded with
     # Remote prefill: "auto" (when the uncached prompt is long enough), "always", "never".
     disaggregate: str = "auto"
-    transport: str = "auto"
 
 
 class RouteReply(Frozen):

@@ -124,7 +124,6 @@ class Generator:
                 block_hashes=hashes,
                 kv_fingerprint=kv_fingerprint,
                 disaggregate=disaggregate,
-                transport=transport,
             )
         )
         if not decision.instance_id:
