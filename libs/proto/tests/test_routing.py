@@ -103,8 +103,13 @@ def test_prefill_partner_prefers_role_prefill_then_vllm_then_least_load():
     assert (reply.instance_id, reply.prefill_instance_id) == ("a", "b")
 
 
-def test_a_vllm_decoder_gets_no_remote_prefill():
+def test_any_pair_of_engines_disaggregates():
     state = state_of(*ready("v", role="decode", engine="vllm"), *ready("p", role="prefill"))
+    assert route(state, LONG, {}).prefill_instance_id == "p"  # MLX prefill -> vLLM decode
+
+
+def test_an_engine_that_cannot_take_kv_in_decodes_alone():
+    state = state_of(*ready("x", role="decode", engine="llamacpp"), *ready("p", role="prefill"))
     assert route(state, LONG, {}).prefill_instance_id == ""
 
 

@@ -8,6 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from fleet_store.handoff import (
+    AssembledKV,
     HandoffChunk,
     HandoffError,
     HandoffWriter,
@@ -16,6 +17,7 @@ from fleet_store.handoff import (
     decode_chunk,
     frame,
     frame_length,
+    handoff_blocks,
     read_folder,
 )
 from fleet_store.kv import WireTensor
@@ -104,3 +106,27 @@ def test_gaps_missing_layers_errors_and_truncation_are_refused(tmp_path):
     failed.error("engine process exited")
     with pytest.raises(HandoffError, match="the prefill failed: engine process exited"):
         assemble(read_folder(tmp_path / "failed"), "h1", 0)
+
+
+def test_a_handoff_becomes_the_full_kv_blocks_it_covers(tmp_path):
+    from fleet_store.kv import decode_block, encode_block, prompt_blocks
+
+    prompt = list(range(10, 23))  # 13 tokens: the handoff covers rows 0..12
+    writer = HandoffWriter(tmp_path, "h1")
+    for layer in (0, 1):
+        writer.kv(0, 5, {layer: (rows(5, 1.0), rows(5, 2.0))})
+        writer.kv(5, 12, {layer: (rows(7, 1.0), rows(7, 2.0))})
+    writer.done(0, 12)
+    kv = assemble(read_folder(tmp_path), "h1", 0)
+    blocks = handoff_blocks(kv, "fp", prompt, block_size=4)
+    assert [b.block_hash for b in blocks] == [h for h, *_ in prompt_blocks("fp", prompt, 4)]
+    assert [(b.token_start, b.token_ids) for b in blocks] == [
+        (0, (10, 11, 12, 13)),
+        (4, (14, 15, 16, 17)),
+        (8, (18, 19, 20, 21)),
+    ]
+    again = decode_block(encode_block(blocks[1]), blocks[1].block_hash, prompt[4:8])
+    assert again.layers[1][0] == rows(4, 1.0) and again.layers[1][1] == rows(4, 2.0)
+    stateful = AssembledKV(0, 12, kv.rows, {2: LayerState("ArraysCache", (None,))})
+    with pytest.raises(HandoffError, match="non-positional state"):
+        handoff_blocks(stateful, "fp", prompt, 4)

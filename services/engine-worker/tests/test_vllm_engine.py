@@ -295,6 +295,31 @@ async def test_a_vllm_prefill_hands_its_kv_layer_by_layer_to_an_mlx_decoder(
     assert (chunks[-1].kind, chunks[-1].token_start, chunks[-1].token_end) == ("done", 32, 99)
 
 
+async def test_an_mlx_prefill_decodes_in_vllm_from_the_handed_over_blocks(
+    engine: Engine, model_dir: Path, tmp_path: Path
+) -> None:
+    """The other direction: MLX prefills, vLLM takes the handoff's full blocks in through the
+    connector (3 of 32 tokens) and computes only the rest."""
+    prompt = [(9 * i) % 500 + 3 for i in range(100)]
+    mlx = Engine(
+        await EngineProcess.start("mlx", model_dir, {"prefill_step_size": 16}, load_timeout_s=120), []
+    )
+    try:
+        colocated = await mlx.run("colocated", prompt)
+        export = KVExport(folder=str(tmp_path / "h3"), handoff_id="h3")
+        assert (await mlx.run("prefill-h3", prompt, export=export))[-1].finish_reason == "length"
+    finally:
+        await mlx.close()
+    imported = KVImport(folder=export.folder, handoff_id="h3")
+    decoded = await engine.run("decoded-h3", prompt, kv_import=imported)
+    assert decoded[-1].handoff is None and decoded[-1].prefix_cached_tokens == 96
+    assert tokens(decoded) == tokens(colocated)
+    # a handoff vLLM cannot take is prefilled by vLLM itself, and says why
+    unusable = KVImport(folder=str(tmp_path / "missing"), handoff_id="h4")
+    fallback = await engine.run("decoded-h4", [(3 * i) % 500 + 3 for i in range(40)], kv_import=unusable)
+    assert "without its done chunk" in fallback[-1].handoff.fallback and len(tokens(fallback)) == MAX_TOKENS
+
+
 async def test_a_model_vllm_cannot_run_fails_to_load_with_vllms_reason(
     tmp_path: Path, one_thread: None
 ) -> None:

@@ -34,7 +34,7 @@ DECODE_ROLES = ("both", "decode")
 PREFILL_ROLES = ("prefill", "both")
 DEFAULT_DISAGG_MIN_TOKENS = 1000
 KV_EXPORT_ENGINES = ("mlx", "vllm")  # engines that can prefill for another instance
-KV_IMPORT_ENGINES = ("mlx",)  # engines that can decode from handed-over KV
+KV_IMPORT_ENGINES = ("mlx", "vllm")  # engines that can decode from handed-over KV
 PREFERRED_PREFILL_ENGINE = "vllm"
 
 

@@ -31,7 +31,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fleet_store.kv import KVBlobError, WireTensor, deserialize_safetensors, serialize_safetensors
+from fleet_store.kv import (
+    KVBlobError,
+    KVBlock,
+    WireTensor,
+    deserialize_safetensors,
+    prompt_blocks,
+    serialize_safetensors,
+)
 
 FORMAT = "fleet-kv-handoff"
 VERSION = 1
@@ -301,3 +308,42 @@ def assemble(blobs: Sequence[bytes] | Iterator[bytes], handoff_id: str, start_po
             covered[layer] = chunk.token_end
         states.update(chunk.states)
     raise HandoffError("the handoff ended without its done chunk")
+
+
+def _joined(pieces: Sequence[WireTensor]) -> WireTensor:
+    first = pieces[0]
+    if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in pieces):
+        raise HandoffError("a layer's rows come in mixed dtypes or shapes")
+    rows = sum(p.shape[0] for p in pieces)
+    return WireTensor(first.dtype, (rows, *first.shape[1:]), b"".join(p.data for p in pieces))
+
+
+def _rows(tensor: WireTensor, start: int, end: int) -> WireTensor:
+    row_bytes = len(tensor.data) // tensor.shape[0]
+    data = tensor.data[start * row_bytes : end * row_bytes]
+    return WireTensor(tensor.dtype, (end - start, *tensor.shape[1:]), data)
+
+
+def handoff_blocks(
+    kv: AssembledKV, fingerprint: str, prompt: Sequence[int], block_size: int
+) -> list[KVBlock]:
+    """The prompt's Fleet KV blocks that a handoff covers whole, for an engine that takes KV in by
+    blocks (vLLM, through Fleet's connector); the rest of the prompt that engine computes itself.
+    Positional layers only: a layer with non-positional state has no blocks."""
+    if kv.states:
+        raise HandoffError(
+            f"layers {sorted(kv.states)} hold non-positional state, which KV blocks cannot carry"
+        )
+    layers = sorted(kv.rows)
+    if layers != list(range(len(layers))):
+        raise HandoffError(f"the handoff's layers {layers} are not the model's 0..{len(layers) - 1}")
+    joined = {i: (_joined([k for k, _ in kv.rows[i]]), _joined([v for _, v in kv.rows[i]])) for i in layers}
+    blocks = []
+    for block_hash, parent, start, tokens in prompt_blocks(fingerprint, prompt, block_size):
+        end = start + len(tokens)
+        if start < kv.start_pos or end > kv.end:
+            continue
+        lo, hi = start - kv.start_pos, end - kv.start_pos
+        pairs = tuple((_rows(joined[i][0], lo, hi), _rows(joined[i][1], lo, hi)) for i in layers)
+        blocks.append(KVBlock(fingerprint, block_hash, parent, start, tuple(tokens), pairs))
+    return blocks

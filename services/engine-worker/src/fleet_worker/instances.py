@@ -436,6 +436,8 @@ class InstanceManager:
         """Leading prompt tokens whose KV this node's engine holds (the handoff can start there)."""
         if self._kv is None or self._kv_settings is None or not running.kv_fingerprint:
             return 0
+        if running.instance.engine != "mlx":  # vLLM's own pages are not indexed: it takes whole prompts
+            return 0
         usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_settings.block_size]
         return self._kv.held_run(running.kv_fingerprint, usable) * self._kv_settings.block_size
 

