@@ -16,7 +16,16 @@ from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectNotFound, ObjectS
 from fleet_store.kv import manifest_fingerprint
 from fleet_store.manifest import file_key
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json")
+# What the gateway needs of a model: its tokenizer, chat template (a separate file in newer
+# transformers' folders), EOS ids and context length.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
 DEFAULT_MAX_MODEL_LEN = 2048
 
 

@@ -268,8 +268,10 @@ def completion_response(
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,
+    reasoning: str = "",
 ) -> dict[str, Any]:
-    """A non-streamed `chat.completion` body."""
+    """A non-streamed `chat.completion` body; reasoning goes to `reasoning_content` (as vLLM and
+    DeepSeek's API do)."""
     return {
         "id": id,
         "object": "chat.completion",
@@ -278,7 +280,8 @@ def completion_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": {"role": "assistant", "content": text, "refusal": None}
+                | ({"reasoning_content": reasoning} if reasoning else {}),
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }

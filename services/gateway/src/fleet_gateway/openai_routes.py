@@ -17,6 +17,9 @@ from fleet_gateway.detokenize import IncrementalDetokenizer
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.generation import Generator, NoInstance
 from fleet_gateway.models import ModelCatalog, ModelInfo
+from fleet_gateway.parsing.output import Delta
+from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
+from fleet_gateway.parsing.reasoning import ThinkParser
 from fleet_gateway.stops import StopMatcher
 from fleet_proto import InstanceStatus, State, TokenChunk
 from fleet_proto.messages import TRANSPORTS
@@ -34,24 +37,32 @@ def known_models(state: State) -> set[str]:
 
 
 class TextStep:
-    """Token ids -> text deltas, cut at the first stop string."""
+    """Token ids -> text deltas, cut at the first stop string, then split into answer and
+    reasoning when the model thinks in <think> tags (its chat template says so)."""
 
-    def __init__(self, model: ModelInfo, stops: list[str]) -> None:
+    def __init__(self, model: ModelInfo, stops: list[str], prompt_text: str = "") -> None:
         self.detokenizer = IncrementalDetokenizer(model.tokenizer)
         self.stops = StopMatcher(stops)
         self.completion_tokens = 0
         self.hit_stop = False
+        thinks = THINK_OPEN in (model.tokenizer.chat_template or "")
+        self.reasoning = ThinkParser.for_prompt(prompt_text) if thinks else None
 
-    def push(self, token_ids: tuple[int, ...]) -> str:
+    def push(self, token_ids: tuple[int, ...]) -> Delta:
         self.completion_tokens += len(token_ids)
         text, self.hit_stop = self.stops.feed(self.detokenizer.push(token_ids))
-        return text
+        return self._split(text)
 
-    def finish(self) -> str:
-        if self.hit_stop:
-            return ""
-        text, self.hit_stop = self.stops.feed(self.detokenizer.flush())
-        return text + ("" if self.hit_stop else self.stops.flush())
+    def finish(self) -> Delta:
+        text = ""
+        if not self.hit_stop:
+            text, self.hit_stop = self.stops.feed(self.detokenizer.flush())
+            text += "" if self.hit_stop else self.stops.flush()
+        delta = self._split(text)
+        return delta.merge(self.reasoning.flush()) if self.reasoning is not None else delta
+
+    def _split(self, text: str) -> Delta:
+        return self.reasoning.push(text) if self.reasoning is not None else Delta(content=text)
 
 
 class BenchOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -119,16 +130,16 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         req = oai.parse_chat_request(body)
         model = await resolve(req.model)
         try:
-            prompt = model.tokenizer.encode_chat(oai.messages_for_template(req))
+            text = model.tokenizer.render_chat(oai.messages_for_template(req))
         except ValueError as exc:
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        prompt = model.tokenizer.encode(text)
         sampling = oai.to_sampling(req, model.tokenizer.eos_token_ids, model.max_model_len, len(prompt))
-        return req, model, prompt, sampling
+        return req, model, prompt, sampling, TextStep(model, oai.stop_strings(req), text)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
-        req, model, prompt, sampling = await prepare(await request.read())
+        req, model, prompt, sampling, step = await prepare(await request.read())
         completion_id, created = oai.new_completion_id(), int(time.time())
-        step = TextStep(model, oai.stop_strings(req))
         if not req.stream:
             body, _, _ = await _complete(completion_id, created, req.model, model, prompt, sampling, step)
             return web.json_response(body)
@@ -138,10 +149,9 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         raw = await request.read()
         options = decode_json_body(raw, BenchOptions)
         choices = {"disaggregate": disaggregate_mode(options), "transport": options.transport}
-        req, model, prompt, sampling = await prepare(raw)
+        req, model, prompt, sampling, step = await prepare(raw)
         completion_id, created = oai.new_completion_id(), int(time.time())
         started = time.monotonic()
-        step = TextStep(model, oai.stop_strings(req))
         body, last, first_token_at = await _complete(
             completion_id, created, req.model, model, prompt, sampling, step, **choices
         )
@@ -152,7 +162,7 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         completion_id, created, name, model, prompt, sampling, step, **choices: str
     ) -> tuple[dict, TokenChunk, float]:
         """The completion's body, its last chunk and when its first token came (monotonic)."""
-        parts, finish = [], "stop"
+        text, finish = Delta(), "stop"
         last, first_token_at = TokenChunk(request_id=completion_id), 0.0
         try:
             async for chunk in tokens(completion_id, model, prompt, sampling, **choices):
@@ -161,17 +171,24 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
                 if chunk.token_ids and not first_token_at:
                     first_token_at = time.monotonic()
                 last = chunk
-                parts.append(step.push(chunk.token_ids))
+                text = text.merge(step.push(chunk.token_ids))
                 if step.hit_stop:
                     break
                 if chunk.finish_reason:
                     finish = oai.openai_finish_reason(chunk.finish_reason)
         except StreamBroken as exc:
             raise ApiError(503, str(exc)) from None
-        parts.append(step.finish())
+        text = text.merge(step.finish())
         finish = "stop" if step.hit_stop else finish
         body = oai.completion_response(
-            completion_id, name, created, "".join(parts), finish, len(prompt), step.completion_tokens
+            completion_id,
+            name,
+            created,
+            text.content,
+            finish,
+            len(prompt),
+            step.completion_tokens,
+            text.reasoning,
         )
         return body, last, first_token_at
 
@@ -191,8 +208,10 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         await response.prepare(request)
         await response.write(oai.sse(oai.first_chunk(completion_id, req.model, created, include_usage=usage)))
 
-        async def emit(text: str, finish: str | None = None) -> None:
-            delta = {"content": text} if text else {}
+        async def emit(text: Delta, finish: str | None = None) -> None:
+            delta = {"content": text.content} if text.content else {}
+            if text.reasoning:
+                delta["reasoning_content"] = text.reasoning
             await response.write(
                 oai.sse(oai.chunk(completion_id, req.model, created, delta, finish, include_usage=usage))
             )
