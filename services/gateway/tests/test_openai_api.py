@@ -115,7 +115,8 @@ def test_all_known_fields_parse() -> None:
             "messages[1].content",
         ),
         (_body(messages=[{"role": "bot", "content": "hi"}]), "messages[0].role"),
-        (_body(messages=[{"role": "tool", "content": "hi"}]), "messages[0].role"),
+        (_body(messages=[{"role": "tool", "content": "hi"}]), "messages[0].tool_call_id"),
+        (_body(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
         (_body(messages=[{"role": "user"}]), "messages[0].content"),
         (
             _body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
@@ -144,7 +145,10 @@ def test_all_known_fields_parse() -> None:
         (_body(stream="yes"), "stream"),
         (_body(stream_options={"include_usage": True}), "stream_options"),
         (_body(logprobs=True), "logprobs"),
-        (_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (_body(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0]"),
+        (_body(tools=[{"type": "retrieval"}]), "tools[0]"),
+        (_body(tool_choice="required"), "tool_choice"),
+        (_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     ],
 )
 def test_invalid_requests_are_400_with_the_param(body: bytes, param: str | None) -> None:

@@ -7,6 +7,7 @@ Fleet extensions accepted in the body: top_k, min_p, repetition_penalty (as in v
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from typing import Any
@@ -18,7 +19,8 @@ from fleet_proto.messages import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 4
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("none", "auto")
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -27,10 +29,23 @@ class ContentPart(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    function: FunctionCall
+    id: str = ""
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call they answer
 
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -59,6 +74,8 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     user: str | None = None
 
 
@@ -127,8 +144,21 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
         raise ApiError(400, "'logprobs' is not supported yet.", param="logprobs")
     if req.top_logprobs:
         raise ApiError(400, "'top_logprobs' is not supported yet.", param="top_logprobs")
-    if req.tools:
-        raise ApiError(400, "'tools' (tool calling) is not supported yet.", param="tools")
+    for index, tool in enumerate(req.tools or []):
+        function = tool.get("function")
+        _check(
+            tool.get("type") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str),
+            f"tools[{index}]",
+            f'Invalid \'tools[{index}]\': expected {{"type": "function", "function": {{"name": ...}}}}.',
+        )
+    if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
+        raise ApiError(
+            400,
+            'Only \'tool_choice\' "auto" and "none" are supported (no constrained decoding yet).',
+            param="tool_choice",
+        )
     if req.stream_options is not None and not req.stream:
         raise ApiError(
             400,
@@ -153,6 +183,8 @@ def _validate_message(index: int, message: ChatMessage) -> None:
             param=f"{where}.role",
             code="invalid_value",
         )
+    if message.role == "tool":
+        _check(bool(message.tool_call_id), f"{where}.tool_call_id", f"'{where}.tool_call_id' is required.")
     if message.content is None:
         _check(message.role == "assistant", f"{where}.content", f"'{where}.content' is required.")
     elif isinstance(message.content, list):
@@ -178,16 +210,48 @@ def message_text(message: ChatMessage) -> str:
     return "\n".join(part.text or "" for part in message.content)
 
 
-def messages_for_template(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Plain role/content dicts for the chat template; `developer` is rendered as `system`."""
+def messages_for_template(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Plain dicts for the chat template as Hugging Face templates expect them: `developer` is
+    rendered as `system`; an assistant's tool calls carry their arguments as objects."""
     messages = []
     for message in req.messages:
-        item = {"role": "system" if message.role == "developer" else message.role}
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
         item["content"] = message_text(message)
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         messages.append(item)
     return messages
+
+
+def _template_call(call: ToolCallItem) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except ValueError:
+        raise ApiError(400, f"tool call {call.id!r}: 'arguments' is not JSON.", param="messages") from None
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+def tools_for_template(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools the template renders: none when tool_choice is "none" (OpenAI: no calls then)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return req.tools
+
+
+def tool_call_items(calls) -> list[dict[str, Any]]:
+    """Parsed tool calls as OpenAI's message.tool_calls."""
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
 
 
 def stop_strings(req: ChatCompletionRequest) -> list[str]:
@@ -269,9 +333,16 @@ def completion_response(
     prompt_tokens: int,
     completion_tokens: int,
     reasoning: str = "",
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A non-streamed `chat.completion` body; reasoning goes to `reasoning_content` (as vLLM and
-    DeepSeek's API do)."""
+    DeepSeek's API do); with tool calls the content is null and finish_reason "tool_calls"."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message |= {"content": text or None, "tool_calls": tool_calls}
+        finish_reason = "tool_calls"
     return {
         "id": id,
         "object": "chat.completion",
@@ -280,8 +351,7 @@ def completion_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None}
-                | ({"reasoning_content": reasoning} if reasoning else {}),
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }

@@ -20,6 +20,7 @@ from fleet_gateway.models import ModelCatalog, ModelInfo
 from fleet_gateway.parsing.output import Delta
 from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
 from fleet_gateway.parsing.reasoning import ThinkParser
+from fleet_gateway.parsing.tools import PARSERS, infer_tool_parser
 from fleet_gateway.stops import StopMatcher
 from fleet_proto import InstanceStatus, State, TokenChunk
 from fleet_proto.messages import TRANSPORTS
@@ -37,16 +38,21 @@ def known_models(state: State) -> set[str]:
 
 
 class TextStep:
-    """Token ids -> text deltas, cut at the first stop string, then split into answer and
-    reasoning when the model thinks in <think> tags (its chat template says so)."""
+    """Token ids -> text deltas, cut at the first stop string, then split into reasoning (when the
+    model thinks in <think> tags: its chat template says so), answer and tool calls (when the
+    request offers tools: in the format the chat template implies)."""
 
-    def __init__(self, model: ModelInfo, stops: list[str], prompt_text: str = "") -> None:
+    def __init__(
+        self, model: ModelInfo, stops: list[str], prompt_text: str = "", tool_format: str = ""
+    ) -> None:
         self.detokenizer = IncrementalDetokenizer(model.tokenizer)
         self.stops = StopMatcher(stops)
         self.completion_tokens = 0
         self.hit_stop = False
+        self.tool_calls = 0  # emitted so far
         thinks = THINK_OPEN in (model.tokenizer.chat_template or "")
         self.reasoning = ThinkParser.for_prompt(prompt_text) if thinks else None
+        self.tools = PARSERS[tool_format]() if tool_format else None
 
     def push(self, token_ids: tuple[int, ...]) -> Delta:
         self.completion_tokens += len(token_ids)
@@ -58,11 +64,38 @@ class TextStep:
         if not self.hit_stop:
             text, self.hit_stop = self.stops.feed(self.detokenizer.flush())
             text += "" if self.hit_stop else self.stops.flush()
-        delta = self._split(text)
-        return delta.merge(self.reasoning.flush()) if self.reasoning is not None else delta
+        return self._split(text, final=True)
 
-    def _split(self, text: str) -> Delta:
-        return self.reasoning.push(text) if self.reasoning is not None else Delta(content=text)
+    def finish_reason(self, engine_reason: str) -> str:
+        if self.hit_stop:
+            return "stop"
+        return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
+
+    def _split(self, text: str, final: bool = False) -> Delta:
+        delta = Delta(content=text)
+        if self.reasoning is not None:
+            delta = self.reasoning.push(text)
+            delta = delta.merge(self.reasoning.flush()) if final else delta
+        if self.tools is not None:
+            parsed = self.tools.push(delta.content)
+            parsed = parsed.merge(self.tools.flush()) if final else parsed
+            delta = Delta(parsed.content, delta.reasoning, parsed.tool_calls)
+        self.tool_calls += len(delta.tool_calls)
+        return delta
+
+
+def tool_format(model: ModelInfo, req: oai.ChatCompletionRequest) -> str:
+    """The tool-call format to parse ("" when the request offers no tools); 400 when the model's
+    chat template cannot render tools or its format is not parsed yet."""
+    if oai.tools_for_template(req) is None:
+        return ""
+    found = infer_tool_parser(model.tokenizer.chat_template or "")
+    if found not in PARSERS:
+        problem = (
+            "does not render tools" if not found else f"calls tools in the {found} format, not supported yet"
+        )
+        raise ApiError(400, f"The chat template of {model.model_id!r} {problem}.", param="tools")
+    return found
 
 
 class BenchOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -129,13 +162,16 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
     async def prepare(body: bytes):
         req = oai.parse_chat_request(body)
         model = await resolve(req.model)
+        formats = tool_format(model, req)
         try:
-            text = model.tokenizer.render_chat(oai.messages_for_template(req))
+            text = model.tokenizer.render_chat(
+                oai.messages_for_template(req), tools=oai.tools_for_template(req)
+            )
         except ValueError as exc:
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
         prompt = model.tokenizer.encode(text)
         sampling = oai.to_sampling(req, model.tokenizer.eos_token_ids, model.max_model_len, len(prompt))
-        return req, model, prompt, sampling, TextStep(model, oai.stop_strings(req), text)
+        return req, model, prompt, sampling, TextStep(model, oai.stop_strings(req), text, formats)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         req, model, prompt, sampling, step = await prepare(await request.read())
@@ -179,16 +215,16 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         except StreamBroken as exc:
             raise ApiError(503, str(exc)) from None
         text = text.merge(step.finish())
-        finish = "stop" if step.hit_stop else finish
         body = oai.completion_response(
             completion_id,
             name,
             created,
             text.content,
-            finish,
+            step.finish_reason(finish),
             len(prompt),
             step.completion_tokens,
             text.reasoning,
+            oai.tool_call_items(text.tool_calls),
         )
         return body, last, first_token_at
 
@@ -209,9 +245,13 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         await response.write(oai.sse(oai.first_chunk(completion_id, req.model, created, include_usage=usage)))
 
         async def emit(text: Delta, finish: str | None = None) -> None:
-            delta = {"content": text.content} if text.content else {}
+            delta: dict = {"content": text.content} if text.content else {}
             if text.reasoning:
                 delta["reasoning_content"] = text.reasoning
+            if text.tool_calls:
+                first = step.tool_calls - len(text.tool_calls)
+                items = oai.tool_call_items(text.tool_calls)
+                delta["tool_calls"] = [item | {"index": first + i} for i, item in enumerate(items)]
             await response.write(
                 oai.sse(oai.chunk(completion_id, req.model, created, delta, finish, include_usage=usage))
             )
@@ -242,7 +282,7 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
             await chunks.aclose()  # not finished: the engine is told to cancel
         if not failed:
             tail = step.finish()
-            await emit(tail, "stop" if step.hit_stop else finish)
+            await emit(tail, step.finish_reason(finish))
         if usage:
             await response.write(
                 oai.sse(

@@ -1,0 +1,77 @@
+"""A chat completion's text step on recorded token streams: reasoning, tool calls (Hermes, as the
+template implies) and finish reasons, fed one token at a time through the real tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleet_gateway import openai_api as oai
+from fleet_gateway.models import ModelInfo
+from fleet_gateway.openai_routes import TextStep
+from fleet_gateway.parsing.output import Delta
+from fleet_gateway.tokenizer import ChatTokenizer
+
+from .tiny_tokenizer import make_tiny_tokenizer_folder
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<tool_call>{% endif %}<|im_start|>assistant\n<think>\n"
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> ModelInfo:
+    folder: Path = make_tiny_tokenizer_folder(tmp_path_factory.mktemp("tools"))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    return ModelInfo("tiny/tools", ChatTokenizer.from_folder(folder), 2048, "fp")
+
+
+def run(step: TextStep, model: ModelInfo, text: str) -> Delta:
+    total = Delta()
+    for token in model.tokenizer.encode(text):
+        total = total.merge(step.push((token,)))
+    return total.merge(step.finish())
+
+
+def test_reasoning_then_a_tool_call_finishes_with_tool_calls(model: ModelInfo) -> None:
+    step = TextStep(model, [], prompt_text="<|im_start|>assistant\n<think>\n", tool_format="hermes")
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    output = f"the user wants weather</think>\n<tool_call>{call}</tool_call>"
+    delta = run(step, model, output)
+    assert delta.reasoning == "the user wants weather" and delta.content.strip() == ""
+    assert [(c.name, json.loads(c.arguments)) for c in delta.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert step.finish_reason("stop") == "tool_calls"
+    body = oai.completion_response(
+        "c",
+        "m",
+        0,
+        delta.content,
+        step.finish_reason("stop"),
+        5,
+        9,
+        delta.reasoning,
+        oai.tool_call_items(delta.tool_calls),
+    )
+    message = body["choices"][0]["message"]
+    assert (
+        body["choices"][0]["finish_reason"] == "tool_calls"
+        and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    )
+
+
+def test_without_tools_the_text_is_content(model: ModelInfo) -> None:
+    step = TextStep(model, [], prompt_text="", tool_format="")
+    delta = run(step, model, 'a <tool_call>{"name": "x", "arguments": {}}</tool_call> b')
+    assert delta.tool_calls == [] and "<tool_call>" in delta.content and delta.reasoning == ""
+    assert step.finish_reason("length") == "length"
+
+
+def test_a_stop_string_ends_the_text_before_any_call(model: ModelInfo) -> None:
+    step = TextStep(model, ["STOP"], prompt_text="", tool_format="hermes")
+    delta = run(step, model, 'done STOP <tool_call>{"name": "x", "arguments": {}}</tool_call>')
+    assert delta.tool_calls == [] and step.finish_reason("length") == "stop"
