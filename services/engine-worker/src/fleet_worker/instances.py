@@ -41,7 +41,7 @@ from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ModelManifest, ObjectSt
 from fleet_store.handoff import append_error
 from fleet_store.kv import manifest_fingerprint
 from fleet_store.layers import files_for_layers
-from fleet_worker.engine_process import EngineProcess
+from fleet_worker.engine_process import EngineProcess, EngineProcessExited
 from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport
 from fleet_worker.handoff import HandoffClient
 from fleet_worker.handoff_transport import HandoffFailed
@@ -492,14 +492,19 @@ class InstanceManager:
             start_pos=request.start_pos,
             wire_dtype=request.wire_dtype,
         )
-        running.engine.submit(
-            EngineRequest(
-                request_id=engine_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling=SamplingParams(max_tokens=1, temperature=0.0),
-                export=export,
+        try:
+            running.engine.submit(
+                EngineRequest(
+                    request_id=engine_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                    export=export,
+                )
             )
-        )
+        except EngineProcessExited as error:  # the decoder hears it at once and prefills itself
+            running.exports.pop(engine_id, None)
+            running.finish(engine_id)
+            return str(error)
         return ""
 
     def cancel_export(self, request: PrefillRequest) -> None:
