@@ -154,3 +154,38 @@ def test_a_model_whose_template_has_no_tools_refuses_them(thinker) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=PLAIN, messages=MESSAGES, tools=TOOLS, max_tokens=2)
     assert refused.value.body["param"] == "tools" and "does not render tools" in refused.value.body["message"]
+
+
+def test_text_completions_take_a_raw_prompt_streamed_and_not(thinker) -> None:
+    from fleet_gateway.detokenize import IncrementalDetokenizer
+    from fleet_gateway.tokenizer import ChatTokenizer
+
+    manifest, _ = thinker
+    plain_dir = Path(manifest.state_dir) / "models" / PLAIN / "main"
+    client = openai.OpenAI(base_url=f"{manifest.gateway_url}/v1", api_key="unused", max_retries=0)
+    tokenizer = ChatTokenizer.from_folder(plain_dir)
+    text = "the sea and the sky are"
+    ids = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    expected = detokenizer.push(mlx_greedy(plain_dir, ids, 6)) + detokenizer.flush()
+
+    reply = client.completions.create(model=PLAIN, prompt=text, max_tokens=6, temperature=0)
+    assert reply.object == "text_completion" and reply.choices[0].text == expected
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), 6)
+    assert reply.choices[0].finish_reason == "length"
+    by_ids = client.completions.create(model=PLAIN, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == expected
+    stream = client.completions.create(
+        model=PLAIN,
+        prompt=text,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=PLAIN, prompt=text, echo=True)
+    assert refused.value.body["param"] == "echo"

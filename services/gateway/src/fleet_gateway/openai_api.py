@@ -104,6 +104,28 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
     _check(bool(req.messages), "messages", "'messages' must contain at least one message.")
     for index, message in enumerate(req.messages):
         _validate_message(index, message)
+    validate_sampling(req)
+    if req.top_logprobs:
+        raise ApiError(400, "'top_logprobs' is not supported yet.", param="top_logprobs")
+    for index, tool in enumerate(req.tools or []):
+        function = tool.get("function")
+        _check(
+            tool.get("type") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str),
+            f"tools[{index}]",
+            f'Invalid \'tools[{index}]\': expected {{"type": "function", "function": {{"name": ...}}}}.',
+        )
+    if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
+        raise ApiError(
+            400,
+            'Only \'tool_choice\' "auto" and "none" are supported (no constrained decoding yet).',
+            param="tool_choice",
+        )
+
+
+def validate_sampling(req) -> None:
+    """The checks chat and text completions share (both request structs name these fields alike)."""
     if req.temperature is not None:
         _check(
             _finite(req.temperature) and req.temperature >= 0,
@@ -142,23 +164,6 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
             _check(value == 0, name, f"'{name}' is not supported; only 0 is accepted.")
     if req.logprobs:
         raise ApiError(400, "'logprobs' is not supported yet.", param="logprobs")
-    if req.top_logprobs:
-        raise ApiError(400, "'top_logprobs' is not supported yet.", param="top_logprobs")
-    for index, tool in enumerate(req.tools or []):
-        function = tool.get("function")
-        _check(
-            tool.get("type") == "function"
-            and isinstance(function, dict)
-            and isinstance(function.get("name"), str),
-            f"tools[{index}]",
-            f'Invalid \'tools[{index}]\': expected {{"type": "function", "function": {{"name": ...}}}}.',
-        )
-    if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
-        raise ApiError(
-            400,
-            'Only \'tool_choice\' "auto" and "none" are supported (no constrained decoding yet).',
-            param="tool_choice",
-        )
     if req.stream_options is not None and not req.stream:
         raise ApiError(
             400,

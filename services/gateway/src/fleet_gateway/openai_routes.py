@@ -1,4 +1,5 @@
-"""OpenAI HTTP endpoints: POST /v1/chat/completions (streamed and not), GET /v1/models, and
+"""OpenAI HTTP endpoints: POST /v1/chat/completions and /v1/completions (streamed and not),
+GET /v1/models, and
 POST /bench/chat/completions (a non-streamed chat completion with its generation stats; the seed's
 bench endpoint: `disaggregated` true / false forces or forbids remote prefill, `transport` picks
 "stream" or "staged")."""
@@ -12,6 +13,7 @@ import msgspec
 from aiohttp import web
 
 from fleet_bus import StateFollower, StreamBroken
+from fleet_gateway import completions_api as capi
 from fleet_gateway import openai_api as oai
 from fleet_gateway.detokenize import IncrementalDetokenizer
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
@@ -43,14 +45,19 @@ class TextStep:
     request offers tools: in the format the chat template implies)."""
 
     def __init__(
-        self, model: ModelInfo, stops: list[str], prompt_text: str = "", tool_format: str = ""
+        self,
+        model: ModelInfo,
+        stops: list[str],
+        prompt_text: str = "",
+        tool_format: str = "",
+        split_reasoning: bool = True,
     ) -> None:
         self.detokenizer = IncrementalDetokenizer(model.tokenizer)
         self.stops = StopMatcher(stops)
         self.completion_tokens = 0
         self.hit_stop = False
         self.tool_calls = 0  # emitted so far
-        thinks = THINK_OPEN in (model.tokenizer.chat_template or "")
+        thinks = split_reasoning and THINK_OPEN in (model.tokenizer.chat_template or "")
         self.reasoning = ThinkParser.for_prompt(prompt_text) if thinks else None
         self.tools = PARSERS[tool_format]() if tool_format else None
 
@@ -292,6 +299,74 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         await response.write(oai.SSE_DONE)
         return response
 
+    async def completions(request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions: a raw prompt (no chat template), streamed or not."""
+        req = capi.parse_completion_request(await request.read())
+        model = await resolve(req.model)
+        prompt = capi.prompt_token_ids(req, model.tokenizer)
+        sampling = oai.to_sampling(req, model.tokenizer.eos_token_ids, model.max_model_len, len(prompt))
+        step = TextStep(model, oai.stop_strings(req), split_reasoning=False)
+        completion_id, created = capi.new_text_completion_id(), int(time.time())
+        chunks = aiter(tokens(completion_id, model, prompt, sampling))
+        try:
+            first = await anext(chunks, None)  # routed and started before any 200
+        except StreamBroken as exc:
+            raise ApiError(503, str(exc)) from None
+        if not req.stream:
+            parts, finish = [], "stop"
+            try:
+                pending = [first] if first is not None else []
+                while pending or not step.hit_stop:
+                    chunk = pending.pop() if pending else await anext(chunks, None)
+                    if chunk is None:
+                        break
+                    if chunk.finish_reason == "error":
+                        raise ApiError(503, f"generation failed: {chunk.error}")
+                    parts.append(step.push(chunk.token_ids).content)
+                    if chunk.finish_reason:
+                        finish = oai.openai_finish_reason(chunk.finish_reason)
+                        break
+            except StreamBroken as exc:
+                raise ApiError(503, str(exc)) from None
+            finally:
+                await chunks.aclose()
+            parts.append(step.finish().content)
+            body = capi.text_completion_response(
+                completion_id, req.model, created, "".join(parts), step.finish_reason(finish),
+                len(prompt), step.completion_tokens,
+            )  # fmt: skip
+            return web.json_response(body)
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        finish = "stop"
+        try:
+            chunk = first
+            while chunk is not None:
+                if chunk.finish_reason == "error":
+                    await response.write(oai.sse(error_body(503, f"generation failed: {chunk.error}")))
+                    break
+                text = step.push(chunk.token_ids).content
+                if text:
+                    await response.write(oai.sse(capi.text_chunk(completion_id, req.model, created, text)))
+                if step.hit_stop or chunk.finish_reason:
+                    finish = oai.openai_finish_reason(chunk.finish_reason or "stop")
+                    break
+                chunk = await anext(chunks, None)
+        except StreamBroken as exc:
+            await response.write(oai.sse(error_body(503, str(exc))))
+        finally:
+            await chunks.aclose()
+        tail = step.finish().content
+        done = capi.text_chunk(completion_id, req.model, created, tail, step.finish_reason(finish))
+        await response.write(oai.sse(done))
+        if oai.include_usage(req):
+            usage_chunk = capi.text_usage_chunk(
+                completion_id, req.model, created, len(prompt), step.completion_tokens
+            )
+            await response.write(oai.sse(usage_chunk))
+        await response.write(oai.SSE_DONE)
+        return response
+
     async def list_models(_: web.Request) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "fleet"}
@@ -301,6 +376,7 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
 
     return [
         web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
         web.post("/bench/chat/completions", bench_chat_completions),
         web.get("/v1/models", list_models),
     ]

@@ -1,0 +1,122 @@
+"""OpenAI (legacy) text completions adapter, pure: POST /v1/completions request and response shapes.
+
+One prompt per request (a string, or token ids), n = 1, no echo / suffix / logprobs / best_of yet:
+each of those is a clear 400. Sampling fields and their checks are the chat adapter's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from fleet_gateway.errors import ApiError, decode_json_body
+from fleet_gateway.openai_api import StreamOptions, usage, validate_sampling
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    model: str
+    prompt: str | list[int | str]  # a string, token ids, or a list holding one string
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = DEFAULT_COMPLETION_TOKENS
+    max_completion_tokens: int | None = None  # not OpenAI's here; lets the chat checks apply as they are
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    req = decode_json_body(body, CompletionRequest)
+    if not req.model.strip():
+        raise ApiError(400, "'model' must be a non-empty string.", param="model")
+    if (
+        isinstance(req.prompt, list)
+        and req.prompt
+        and isinstance(req.prompt[0], str)
+        and len(req.prompt) != 1
+    ):
+        raise ApiError(400, "Only one prompt per request is supported.", param="prompt")
+    if not req.prompt or req.prompt == [""]:
+        raise ApiError(400, "'prompt' must not be empty.", param="prompt")
+    for name, unsupported in (
+        ("echo", req.echo),
+        ("suffix", req.suffix),
+        ("best_of", (req.best_of or 1) != 1),
+    ):
+        if unsupported:
+            raise ApiError(400, f"'{name}' is not supported yet.", param=name)
+    validate_sampling(req)
+    return req
+
+
+def prompt_token_ids(req: CompletionRequest, tokenizer) -> list[int]:
+    """The prompt's token ids: given as ids, or the text encoded without added special tokens."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+        if outside is not None:
+            raise ApiError(400, f"Token id {outside} is outside the vocabulary.", param="prompt")
+        return list(prompt)
+    text = prompt[0] if isinstance(prompt, list) else prompt
+    return tokenizer.encode(text)
+
+
+def new_text_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+
+
+def text_completion_response(
+    id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    return {
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_choice(text, finish_reason)],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "system_fingerprint": None,
+    }
+
+
+def text_chunk(
+    id: str, model: str, created: int, text: str, finish_reason: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_choice(text, finish_reason)],
+    }
+
+
+def text_usage_chunk(id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+    body = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": []}
+    return body | {"usage": usage(prompt_tokens, completion_tokens)}
