@@ -46,6 +46,6 @@ def test_unsupported_or_invalid_fields_are_400(fields: dict, param: str) -> None
 
 
 def test_the_response_is_a_text_completion() -> None:
-    reply = text_completion_response("cmpl-1", "m", 0, "text", "length", 3, 2)
+    reply = text_completion_response("cmpl-1", "m", 0, "text", "length", (3, 2))
     assert reply["object"] == "text_completion" and reply["choices"][0]["text"] == "text"
     assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}

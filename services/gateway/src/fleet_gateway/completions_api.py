@@ -81,42 +81,28 @@ def new_text_completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
+def _body(id: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+
+
 def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
     return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
 
 
 def text_completion_response(
-    id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
+    id: str, model: str, created: int, text: str, finish_reason: str, counts: tuple[int, int]
 ) -> dict[str, Any]:
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [_choice(text, finish_reason)],
-        "usage": usage(prompt_tokens, completion_tokens),
-        "system_fingerprint": None,
-    }
+    """The non-streamed body; counts = (prompt tokens, completion tokens)."""
+    body = _body(id, model, created, [_choice(text, finish_reason)])
+    return body | {"usage": usage(*counts), "system_fingerprint": None}
 
 
 def text_chunk(
     id: str, model: str, created: int, text: str, finish_reason: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [_choice(text, finish_reason)],
-    }
+    return _body(id, model, created, [_choice(text, finish_reason)])
 
 
-def text_usage_chunk(id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
-    body = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": []}
-    return body | {"usage": usage(prompt_tokens, completion_tokens)}
+def text_usage_chunk(id: str, model: str, created: int, counts: tuple[int, int]) -> dict[str, Any]:
+    """The last chunk with stream_options.include_usage: no choices, the usage."""
+    return _body(id, model, created, []) | {"usage": usage(*counts)}

@@ -331,10 +331,10 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
             finally:
                 await chunks.aclose()
             parts.append(step.finish().content)
+            counts = (len(prompt), step.completion_tokens)
             body = capi.text_completion_response(
-                completion_id, req.model, created, "".join(parts), step.finish_reason(finish),
-                len(prompt), step.completion_tokens,
-            )  # fmt: skip
+                completion_id, req.model, created, "".join(parts), step.finish_reason(finish), counts
+            )
             return web.json_response(body)
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
@@ -360,9 +360,8 @@ def openai_routes(generator: Generator, catalog: ModelCatalog, follower: StateFo
         done = capi.text_chunk(completion_id, req.model, created, tail, step.finish_reason(finish))
         await response.write(oai.sse(done))
         if oai.include_usage(req):
-            usage_chunk = capi.text_usage_chunk(
-                completion_id, req.model, created, len(prompt), step.completion_tokens
-            )
+            counts = (len(prompt), step.completion_tokens)
+            usage_chunk = capi.text_usage_chunk(completion_id, req.model, created, counts)
             await response.write(oai.sse(usage_chunk))
         await response.write(oai.SSE_DONE)
         return response
