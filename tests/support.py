@@ -170,6 +170,13 @@ def worker_env(manifest: stack.StackManifest, node_id: str, state: Path, **fleet
     }
 
 
+async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict | None = None) -> dict:
+    """One gateway call that must succeed (2xx); its JSON body."""
+    async with session.request(method, url, json=body) as response:
+        assert response.status < 300, await response.text()
+        return await response.json()
+
+
 async def until_state(session: aiohttp.ClientSession, gateway: str, predicate, timeout_s: float) -> dict:
     """GET /state until predicate(state) holds; fails with the instances and nodes seen last."""
     deadline = time.monotonic() + timeout_s

@@ -30,6 +30,7 @@ from fleet_local.processes import spawn, stop_pid
 from fleet_proto import RouteDecided
 from tests.support import (
     TokenTap,
+    call,
     embedded_stack,
     make_chat_model,
     mlx_greedy,
@@ -79,12 +80,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             yield Cluster(manifest, model_dir, root, worker.pid)
         finally:
             stop_pid(worker.pid)
-
-
-async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict | None = None) -> dict:
-    async with session.request(method, url, json=body) as response:
-        assert response.status < 300, await response.text()
-        return await response.json()
 
 
 async def setup(gateway: str, sources: dict[str, Path]) -> None:

@@ -29,6 +29,7 @@ from fleet_store.kv import block_hashes, manifest_fingerprint
 from fleet_store.kv_index import TIER2, KVIndex, leading_run, object_key
 from tests.support import (
     TokenTap,
+    call,
     embedded_stack,
     make_chat_model,
     mlx_greedy,
@@ -68,12 +69,6 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[stac
             yield manifest, model_dir
         finally:
             stop_pid(worker.pid)
-
-
-async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict | None = None) -> dict:
-    async with session.request(method, url, json=body) as response:
-        assert response.status < 300, await response.text()
-        return await response.json()
 
 
 async def stage(gateway: str, source: str) -> None:
