@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from fleet_gateway.detokenize import IncrementalDetokenizer
 from fleet_gateway.errors import ApiError, api_error, error_middleware, error_type_for
+from fleet_gateway.frames import sse_data
 from fleet_gateway.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -21,13 +22,12 @@ from fleet_gateway.openai_api import (
     include_usage,
     messages_for_template,
     new_completion_id,
-    openai_finish_reason,
     parse_chat_request,
-    sse,
+    sampling_ask,
     stop_strings,
-    to_sampling,
     usage_chunk,
 )
+from fleet_gateway.sampling import engine_finish_reason, to_sampling
 from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_proto.messages import SamplingParams
@@ -202,7 +202,7 @@ def test_single_stop_string() -> None:
 
 
 def test_to_sampling_defaults() -> None:
-    params = to_sampling(parse_chat_request(_body()), (2,), max_model_len=2048, prompt_len=10)
+    params = to_sampling(sampling_ask(parse_chat_request(_body())), (2,), max_model_len=2048, prompt_len=10)
     assert params == SamplingParams(
         max_tokens=256,
         temperature=1.0,
@@ -218,7 +218,7 @@ def test_to_sampling_maps_every_field() -> None:
     req = parse_chat_request(
         _body(max_tokens=20, temperature=0, top_p=0.5, top_k=-1, min_p=0.1, repetition_penalty=1.2, seed=3)
     )
-    params = to_sampling(req, [2, 0, 2], max_model_len=100, prompt_len=80)
+    params = to_sampling(sampling_ask(req), [2, 0, 2], max_model_len=100, prompt_len=80)
     assert params == SamplingParams(
         max_tokens=20,
         temperature=0.0,
@@ -233,26 +233,31 @@ def test_to_sampling_maps_every_field() -> None:
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
     req = parse_chat_request(_body(max_tokens=50, max_completion_tokens=7))
-    assert to_sampling(req, (2,), 2048, 10).max_tokens == 7
+    assert to_sampling(sampling_ask(req), (2,), 2048, 10).max_tokens == 7
 
 
 def test_default_max_tokens_is_capped_by_the_context() -> None:
-    assert to_sampling(parse_chat_request(_body()), (2,), max_model_len=100, prompt_len=90).max_tokens == 10
+    assert (
+        to_sampling(
+            sampling_ask(parse_chat_request(_body())), (2,), max_model_len=100, prompt_len=90
+        ).max_tokens
+        == 10
+    )
 
 
 def test_too_many_tokens_requested_names_the_numbers() -> None:
     req = parse_chat_request(_body(max_tokens=200))
     with pytest.raises(ApiError) as info:
-        to_sampling(req, (2,), max_model_len=1000, prompt_len=900)
+        to_sampling(sampling_ask(req), (2,), max_model_len=1000, prompt_len=900)
     error = info.value
     assert (error.status, error.param, error.code) == (400, "max_tokens", "context_length_exceeded")
     assert "1000" in error.message and "900" in error.message and "200" in error.message
-    assert to_sampling(req, (2,), max_model_len=1100, prompt_len=900).max_tokens == 200
+    assert to_sampling(sampling_ask(req), (2,), max_model_len=1100, prompt_len=900).max_tokens == 200
 
 
 def test_prompt_filling_the_context_is_400() -> None:
     with pytest.raises(ApiError) as info:
-        to_sampling(parse_chat_request(_body()), (2,), max_model_len=512, prompt_len=512)
+        to_sampling(sampling_ask(parse_chat_request(_body())), (2,), max_model_len=512, prompt_len=512)
     assert (info.value.status, info.value.param) == (400, "messages")
     assert "512" in info.value.message
 
@@ -305,7 +310,7 @@ def test_chunk_shapes() -> None:
 
 
 def test_sse_framing() -> None:
-    frame = sse({"a": "é\n"})
+    frame = sse_data({"a": "é\n"})
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     assert frame.count(b"\n") == 2  # the JSON has no raw newline that would break the frame
     assert json.loads(frame[len(b"data: ") : -2]) == {"a": "é\n"}
@@ -313,8 +318,8 @@ def test_sse_framing() -> None:
 
 
 def test_finish_reasons_and_ids() -> None:
-    assert openai_finish_reason("length") == "length"
-    assert [openai_finish_reason(r) for r in ("stop", "", "cancelled")] == ["stop", "stop", "stop"]
+    assert engine_finish_reason("length") == "length"
+    assert [engine_finish_reason(r) for r in ("stop", "", "cancelled")] == ["stop", "stop", "stop"]
     first, second = new_completion_id(), new_completion_id()
     assert first.startswith("chatcmpl-") and first != second
 
@@ -331,23 +336,23 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
 def test_a_streamed_request_end_to_end_without_a_worker(tok: ChatTokenizer) -> None:
     req = parse_chat_request(_body(stream=True, stream_options={"include_usage": True}, stop=["dog"]))
     prompt = tok.encode_chat(messages_for_template(req))
-    params = to_sampling(req, tok.eos_token_ids, max_model_len=2048, prompt_len=len(prompt))
+    params = to_sampling(sampling_ask(req), tok.eos_token_ids, max_model_len=2048, prompt_len=len(prompt))
     assert params.stop_token_ids == (IM_END_ID,)
 
     # What a worker would send back: tokens of a reply, one chunk at a time.
     generated = tok.encode("The lazy dog sleeps.")
     detok, stops = IncrementalDetokenizer(tok), StopMatcher(stop_strings(req))
-    frames = [sse(first_chunk("c", req.model, 1, include_usage=include_usage(req)))]
+    frames = [sse_data(first_chunk("c", req.model, 1, include_usage=include_usage(req)))]
     finish = "length"
     for token in generated:
         emit, stopped = stops.feed(detok.push([token]))
         if emit:
-            frames.append(sse(chunk("c", req.model, 1, {"content": emit}, include_usage=True)))
+            frames.append(sse_data(chunk("c", req.model, 1, {"content": emit}, include_usage=True)))
         if stopped:
             finish = "stop"
             break
-    frames.append(sse(chunk("c", req.model, 1, {}, finish, include_usage=True)))
-    frames.append(sse(usage_chunk("c", req.model, 1, len(prompt), len(generated))))
+    frames.append(sse_data(chunk("c", req.model, 1, {}, finish, include_usage=True)))
+    frames.append(sse_data(usage_chunk("c", req.model, 1, len(prompt), len(generated))))
     frames.append(SSE_DONE)
 
     datas = [frame[len(b"data: ") : -2] for frame in frames[:-1]]

@@ -10,9 +10,9 @@ import pytest
 
 from fleet_gateway import openai_api as oai
 from fleet_gateway.models import ModelInfo
-from fleet_gateway.openai_routes import TextStep
 from fleet_gateway.parsing.output import Delta
 from fleet_gateway.tokenizer import ChatTokenizer
+from fleet_gateway.turns import TextStep
 
 from .tiny_tokenizer import make_tiny_tokenizer_folder
 

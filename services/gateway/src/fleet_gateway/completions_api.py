@@ -11,8 +11,10 @@ from typing import Any
 
 import msgspec
 
-from fleet_gateway.errors import ApiError, decode_json_body
-from fleet_gateway.openai_api import StreamOptions, usage, validate_sampling
+from fleet_gateway.errors import ApiError, decode_json_body, error_body
+from fleet_gateway.frames import SSE, Finished, sse_data
+from fleet_gateway.openai_api import SSE_DONE, StreamOptions, usage, validate_sampling
+from fleet_gateway.parsing.output import Delta
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -106,3 +108,33 @@ def text_chunk(
 def text_usage_chunk(id: str, model: str, created: int, counts: tuple[int, int]) -> dict[str, Any]:
     """The last chunk with stream_options.include_usage: no choices, the usage."""
     return _body(id, model, created, []) | {"usage": usage(*counts)}
+
+
+class TextChunks:
+    """The `text_completion` stream of one completion (a StreamFormat): text chunks, a last chunk
+    with the finish reason, the usage chunk when asked, `[DONE]`."""
+
+    content_type = SSE
+
+    def __init__(self, id: str, model: str, created: int, include_usage: bool) -> None:
+        self.id, self.model, self.created, self.include_usage = id, model, created, include_usage
+        self._counts = (0, 0)
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        return (
+            [sse_data(text_chunk(self.id, self.model, self.created, delta.content))] if delta.content else []
+        )
+
+    def finish(self, finished: Finished) -> list[bytes]:
+        self._counts = (finished.prompt_tokens, finished.completion_tokens)
+        return [sse_data(text_chunk(self.id, self.model, self.created, "", finished.reason)), *self._end()]
+
+    def fail(self, message: str) -> list[bytes]:
+        return [sse_data(error_body(503, message)), *self._end()]
+
+    def _end(self) -> list[bytes]:
+        usage_frame = sse_data(text_usage_chunk(self.id, self.model, self.created, self._counts))
+        return [*([usage_frame] if self.include_usage else []), SSE_DONE]

@@ -17,6 +17,7 @@ from fleet_gateway.generation import Generator, NodeLiveness
 from fleet_gateway.kv_routes import kv_routes
 from fleet_gateway.models import ModelCatalog
 from fleet_gateway.openai_routes import openai_routes
+from fleet_gateway.turns import Turns
 from fleet_proto import ServiceKind
 from fleet_runtime.health import health_handler, start_http
 from fleet_runtime.service import ServiceContext, run
@@ -40,7 +41,8 @@ async def main(ctx: ServiceContext) -> None:
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
     app.add_routes(state_routes(ctx.follower))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
-    app.add_routes(openai_routes(generator, catalog, ctx.follower))
+    turns = Turns(generator, catalog, ctx.follower)
+    app.add_routes(openai_routes(turns, ctx.follower))
     kv_index = KVIndex.from_url(ctx.settings.redis_url)
     app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(

@@ -14,10 +14,11 @@ from typing import Any
 
 import msgspec
 
-from fleet_gateway.errors import ApiError, decode_json_body
-from fleet_proto.messages import SamplingParams
+from fleet_gateway.errors import ApiError, decode_json_body, error_body
+from fleet_gateway.frames import SSE, Finished, sse_data
+from fleet_gateway.parsing.output import Delta
+from fleet_gateway.sampling import SamplingAsk
 
-DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto")
@@ -269,43 +270,18 @@ def include_usage(req: ChatCompletionRequest) -> bool:
     return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
 
 
-def to_sampling(
-    req: ChatCompletionRequest, eos_ids: tuple[int, ...] | list[int], max_model_len: int, prompt_len: int
-) -> SamplingParams:
-    """SamplingParams for the worker; 400 when the prompt plus the completion exceed the context."""
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your messages "
-            f"resulted in {prompt_len} tokens. Please reduce the length of the messages.",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if requested is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    elif requested > room:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
-            f"completion). Please reduce the length of the messages or completion.",
-            param=name,
-            code="context_length_exceeded",
-        )
-    else:
-        max_tokens = requested
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+def sampling_ask(req) -> SamplingAsk:
+    """What a chat or text completion request asks of sampling (both name the fields alike)."""
+    uses_new_name = req.max_completion_tokens is not None
+    return SamplingAsk(
+        max_tokens=req.max_completion_tokens if uses_new_name else req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
         seed=req.seed,
-        stop_token_ids=tuple(dict.fromkeys(eos_ids)),
+        max_tokens_param="max_completion_tokens" if uses_new_name else "max_tokens",
     )
 
 
@@ -314,11 +290,6 @@ def to_sampling(
 
 def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
-
-
-def openai_finish_reason(reason: str) -> str:
-    """Fleet's TokenChunk.finish_reason -> OpenAI's ("length" or "stop"; a stop string is "stop")."""
-    return "length" if reason == "length" else "stop"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -409,6 +380,44 @@ def usage_chunk(
     }
 
 
-def sse(data: dict[str, Any]) -> bytes:
-    """One server-sent event: `data: <json>` and a blank line."""
-    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+class ChatChunks:
+    """The `chat.completion.chunk` stream of one completion (a StreamFormat): the role first, then
+    content / reasoning_content / tool_calls deltas (each call whole, numbered by `index`), the
+    finish reason, the usage chunk when asked, `[DONE]`; a failure is an error frame, then [DONE]."""
+
+    content_type = SSE
+
+    def __init__(self, id: str, model: str, created: int, include_usage: bool) -> None:
+        self.id, self.model, self.created, self.include_usage = id, model, created, include_usage
+        self._calls = 0
+        self._usage = (0, 0)
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        body = chunk(
+            self.id, self.model, self.created, delta, finish_reason, include_usage=self.include_usage
+        )
+        return sse_data(body)
+
+    def start(self) -> list[bytes]:
+        return [sse_data(first_chunk(self.id, self.model, self.created, include_usage=self.include_usage))]
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        fields: dict[str, Any] = {"content": delta.content} if delta.content else {}
+        if delta.reasoning:
+            fields["reasoning_content"] = delta.reasoning
+        if delta.tool_calls:
+            items = tool_call_items(delta.tool_calls)
+            fields["tool_calls"] = [item | {"index": self._calls + i} for i, item in enumerate(items)]
+            self._calls += len(items)
+        return [self._chunk(fields)] if fields else []
+
+    def finish(self, finished: Finished) -> list[bytes]:
+        self._usage = (finished.prompt_tokens, finished.completion_tokens)
+        return [self._chunk({}, finished.reason), *self._end()]
+
+    def fail(self, message: str) -> list[bytes]:
+        return [sse_data(error_body(503, message)), *self._end()]
+
+    def _end(self) -> list[bytes]:
+        usage_frame = [sse_data(usage_chunk(self.id, self.model, self.created, *self._usage))]
+        return [*(usage_frame if self.include_usage else []), SSE_DONE]

@@ -38,6 +38,7 @@ class StopMatcher:
         self._stops = tuple(dict.fromkeys(s for s in stops if s))
         self._held = ""
         self._stopped = False
+        self.hit: str | None = None  # the stop string that ended the text
 
     @property
     def stopped(self) -> bool:
@@ -56,6 +57,7 @@ class StopMatcher:
         if found is not None:
             self._stopped = True
             self._held = ""
+            self.hit = buffer[found[0] : found[1]]
             return buffer[: found[0]], True
         hold = self._longest_stop_prefix_suffix(buffer)
         cut = len(buffer) - hold

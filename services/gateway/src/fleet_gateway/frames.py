@@ -1,0 +1,66 @@
+"""A run's events, frames of streamed responses, and the shape of a stream format (pure).
+
+Each adapter supplies a `StreamFormat`: an object turning a run's events into the frames its clients
+expect (OpenAI SSE chunks, Anthropic and Responses SSE events, Ollama NDJSON lines);
+`fleet_gateway.streaming.stream_run` writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from fleet_gateway.parsing.output import Delta
+from fleet_proto import TokenChunk
+
+SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event: why it ended ("stop" | "length" | "tool_calls"; the stop string when one was
+    hit), token counts, and for the bench endpoint the engine's last chunk and first-token time."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stop_string: str | None = None
+    last: TokenChunk | None = None
+    first_token_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+class StreamFormat(Protocol):
+    content_type: str
+
+    def start(self) -> list[bytes]: ...
+
+    def delta(self, delta: Delta) -> list[bytes]: ...
+
+    def finish(self, finished: Finished) -> list[bytes]: ...
+
+    def fail(self, message: str) -> list[bytes]: ...
+
+
+def sse_data(data: object) -> bytes:
+    """`data: <json>` and a blank line (OpenAI's frames carry no event name)."""
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def sse_event(name: str, data: object) -> bytes:
+    """A named server-sent event (Anthropic and the Responses API name every event)."""
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def ndjson_line(data: object) -> bytes:
+    return msgspec.json.encode(data) + b"\n"

@@ -1,0 +1,74 @@
+"""A request's sampling asks, in any API, -> the engine's SamplingParams (pure).
+
+Every adapter fills a `SamplingAsk` from its own field names; the limits are checked here once, and
+errors name the client's field (`max_tokens_param`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleet_gateway.errors import ApiError
+from fleet_proto.messages import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class SamplingAsk:
+    """None: the engine's default. `default_max_tokens` applies when max_tokens is None (capped by
+    the room left in the context)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_tokens_param: str = "max_tokens"
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+def to_sampling(
+    ask: SamplingAsk, eos_ids: tuple[int, ...] | list[int], max_model_len: int, prompt_len: int
+) -> SamplingParams:
+    """SamplingParams for the worker; 400 when the prompt plus the completion exceed the context."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your messages "
+            f"resulted in {prompt_len} tokens. Please reduce the length of the messages.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    requested = ask.max_tokens
+    if requested is None:
+        max_tokens = min(ask.default_max_tokens, room)
+    elif requested > room:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
+            f"completion). Please reduce the length of the messages or completion.",
+            param=ask.max_tokens_param,
+            code="context_length_exceeded",
+        )
+    else:
+        max_tokens = requested
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if ask.temperature is None else ask.temperature,
+        top_p=1.0 if ask.top_p is None else ask.top_p,
+        top_k=max(ask.top_k or 0, 0),
+        min_p=ask.min_p or 0.0,
+        repetition_penalty=1.0 if ask.repetition_penalty is None else ask.repetition_penalty,
+        seed=ask.seed,
+        stop_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+def engine_finish_reason(reason: str) -> str:
+    """Fleet's TokenChunk.finish_reason -> "length" or "stop" (a stop string or EOS is "stop")."""
+    return "length" if reason == "length" else "stop"

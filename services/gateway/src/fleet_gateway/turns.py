@@ -1,0 +1,256 @@
+"""What every API adapter shares: a chat turn or raw prompt in, a stream of text events out.
+
+Adapters (OpenAI chat and text completions, Responses, Anthropic Messages, Ollama) only translate:
+their request -> `ChatTurn` (template-ready messages, tools, `SamplingAsk`), and the events of a
+`Run` -> their response shapes. Resolving the model (with base-model aliasing), rendering the chat
+template, the context checks, routing and the engine's tokens -> text (stops, reasoning, tool calls)
+happen here once.
+
+A `Run` is started before any response header is sent, so "no instance" or a routing failure is
+still a proper error response; afterwards failures arrive as a `Failed` event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet_bus import StateFollower, StreamBroken
+from fleet_gateway.aliases import known_models, ready_models, serving_model
+from fleet_gateway.detokenize import IncrementalDetokenizer
+from fleet_gateway.errors import ApiError
+from fleet_gateway.frames import Event, Failed, Finished
+from fleet_gateway.generation import Generator, NoInstance
+from fleet_gateway.models import ModelCatalog, ModelInfo
+from fleet_gateway.parsing.output import Delta
+from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
+from fleet_gateway.parsing.reasoning import ThinkParser
+from fleet_gateway.parsing.tools import PARSERS, infer_tool_parser
+from fleet_gateway.sampling import SamplingAsk, engine_finish_reason, to_sampling
+from fleet_gateway.stops import StopMatcher
+from fleet_proto import SamplingParams, TokenChunk
+from fleet_store import StoreError
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    model: str
+    messages: list[dict[str, Any]]  # as Hugging Face chat templates take them
+    sampling: SamplingAsk
+    stops: list[str] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools ({"type": "function", ...})
+
+
+class TextStep:
+    """Token ids -> text deltas, cut at the first stop string, then split into reasoning (when the
+    model thinks in <think> tags: its chat template says so), answer and tool calls (when the
+    request offers tools: in the format the chat template implies)."""
+
+    def __init__(
+        self,
+        model: ModelInfo,
+        stops: list[str],
+        prompt_text: str = "",
+        tool_format: str = "",
+        split_reasoning: bool = True,
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(model.tokenizer)
+        self.stops = StopMatcher(stops)
+        self.completion_tokens = 0
+        self.hit_stop = False
+        self.tool_calls = 0  # emitted so far
+        thinks = split_reasoning and THINK_OPEN in (model.tokenizer.chat_template or "")
+        self.reasoning = ThinkParser.for_prompt(prompt_text) if thinks else None
+        self.tools = PARSERS[tool_format]() if tool_format else None
+
+    def push(self, token_ids: tuple[int, ...]) -> Delta:
+        self.completion_tokens += len(token_ids)
+        text, self.hit_stop = self.stops.feed(self.detokenizer.push(token_ids))
+        return self._split(text)
+
+    def finish(self) -> Delta:
+        text = ""
+        if not self.hit_stop:
+            text, self.hit_stop = self.stops.feed(self.detokenizer.flush())
+            text += "" if self.hit_stop else self.stops.flush()
+        return self._split(text, final=True)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        if self.hit_stop:
+            return "stop"
+        return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
+
+    def _split(self, text: str, final: bool = False) -> Delta:
+        delta = Delta(content=text)
+        if self.reasoning is not None:
+            delta = self.reasoning.push(text)
+            delta = delta.merge(self.reasoning.flush()) if final else delta
+        if self.tools is not None:
+            parsed = self.tools.push(delta.content)
+            parsed = parsed.merge(self.tools.flush()) if final else parsed
+            delta = Delta(parsed.content, delta.reasoning, parsed.tool_calls)
+        self.tool_calls += len(delta.tool_calls)
+        return delta
+
+
+def tool_format(model: ModelInfo, tools: list[dict[str, Any]] | None) -> str:
+    """The tool-call format to parse ("" when the request offers no tools); 400 when the model's
+    chat template cannot render tools or its format is not parsed yet."""
+    if not tools:
+        return ""
+    found = infer_tool_parser(model.tokenizer.chat_template or "")
+    if found not in PARSERS:
+        problem = (
+            "does not render tools" if not found else f"calls tools in the {found} format, not supported yet"
+        )
+        raise ApiError(400, f"The chat template of {model.model_id!r} {problem}.", param="tools")
+    return found
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to run: the model, prompt token ids, sampling and the text step."""
+
+    model: ModelInfo
+    prompt: list[int]
+    sampling: SamplingParams
+    step: TextStep
+
+
+class Run:
+    """One generation, started: iterate `events()` once (closing it early cancels the engine)."""
+
+    def __init__(self, prepared: Prepared, first: TokenChunk | None, chunks: AsyncIterator[TokenChunk]):
+        self.prepared = prepared
+        self._first = first
+        self._chunks = chunks
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prepared.prompt)
+
+    async def events(self) -> AsyncIterator[Event]:
+        step = self.prepared.step
+        engine_reason, last, first_token_at = "stop", None, 0.0
+        try:
+            chunk = self._first
+            while chunk is not None:
+                if chunk.finish_reason == "error":
+                    yield Failed(f"generation failed: {chunk.error}")
+                    return
+                if chunk.token_ids and not first_token_at:
+                    first_token_at = time.monotonic()
+                last = chunk
+                delta = step.push(chunk.token_ids)
+                if delta:
+                    yield delta
+                if step.hit_stop or chunk.finish_reason:
+                    engine_reason = engine_finish_reason(chunk.finish_reason or "stop")
+                    break
+                chunk = await anext(self._chunks, None)
+        except StreamBroken as exc:
+            yield Failed(str(exc))
+            return
+        finally:
+            await self._chunks.aclose()  # not finished: the engine is told to cancel
+        tail = step.finish()
+        if tail:
+            yield tail
+        stop_string = step.stops.hit if step.hit_stop else None
+        yield Finished(
+            step.finish_reason(engine_reason),
+            self.prompt_tokens,
+            step.completion_tokens,
+            stop_string,
+            last,
+            first_token_at,
+        )
+
+
+async def collect(run: Run) -> tuple[Delta, Finished]:
+    """A whole run as one Delta (non-streamed responses); ApiError(503) when it failed."""
+    text = Delta()
+    async for event in run.events():
+        if isinstance(event, Failed):
+            raise ApiError(503, event.message)
+        if isinstance(event, Finished):
+            return text, event
+        text = text.merge(event)
+    raise ApiError(503, "generation ended without a result")
+
+
+class Turns:
+    """Model resolution, prompt rendering and starting runs, for every API adapter."""
+
+    def __init__(self, generator: Generator, catalog: ModelCatalog, follower: StateFollower) -> None:
+        self._generator = generator
+        self._catalog = catalog
+        self._follower = follower
+
+    async def resolve(self, requested: str) -> ModelInfo:
+        """The model serving `requested` (itself, or a ready model of the same base model)."""
+        state = self._follower.state
+        model_id = serving_model(state, requested)
+        if model_id is None:
+            if requested in known_models(state):
+                raise ApiError(503, f"The model {requested!r} has no ready instance yet; try again shortly")
+            available = ", ".join(ready_models(state)) or "none"
+            raise ApiError(
+                404,
+                f"The model {requested!r} does not exist. Available models: {available}",
+                param="model",
+                code="model_not_found",
+            )
+        try:
+            return await self._catalog.get(model_id)
+        except StoreError as exc:
+            raise ApiError(503, f"cannot load the tokenizer of {model_id!r}: {exc}") from None
+
+    async def prepare_chat(self, turn: ChatTurn) -> Prepared:
+        model = await self.resolve(turn.model)
+        formats = tool_format(model, turn.tools)
+        try:
+            text = model.tokenizer.render_chat(turn.messages, tools=turn.tools or None)
+        except ValueError as exc:
+            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        prompt = model.tokenizer.encode(text)
+        return Prepared(
+            model,
+            prompt,
+            self.sampling(model, turn.sampling, len(prompt)),
+            TextStep(model, turn.stops, text, formats),
+        )
+
+    def prepare_text(
+        self, model: ModelInfo, prompt: list[int], ask: SamplingAsk, stops: list[str]
+    ) -> Prepared:
+        """A raw prompt (no chat template, no reasoning split)."""
+        step = TextStep(model, stops, split_reasoning=False)
+        return Prepared(model, prompt, self.sampling(model, ask, len(prompt)), step)
+
+    @staticmethod
+    def sampling(model: ModelInfo, ask: SamplingAsk, prompt_len: int) -> SamplingParams:
+        return to_sampling(ask, model.tokenizer.eos_token_ids, model.max_model_len, prompt_len)
+
+    async def start(self, request_id: str, prepared: Prepared, **choices: str) -> Run:
+        """Route and send the task; wait for its first chunk (errors here are still responses)."""
+        model = prepared.model
+        chunks = aiter(
+            self._generator.generate(
+                request_id,
+                model.model_id,
+                prepared.prompt,
+                prepared.sampling,
+                model.kv_fingerprint,
+                **choices,
+            )
+        )
+        try:
+            first = await anext(chunks, None)
+        except NoInstance as exc:
+            raise ApiError(503, str(exc)) from None
+        except StreamBroken as exc:
+            raise ApiError(503, str(exc)) from None
+        return Run(prepared, first, chunks)
