@@ -1,7 +1,11 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
+"""Error bodies in each client's own shape, chosen by the request's path.
+
+- OpenAI (everything by default): {"error": {"message", "type", "param", "code"}}
+- Anthropic (/v1/messages...): {"type": "error", "error": {"type", "message"}}
+- Ollama (/api/..., /ollama/api/...): {"error": "message"}
 
 Handlers raise ApiError; `error_middleware` turns it (and aiohttp's own HTTP errors, and crashes)
-into that body, so every API answers errors in the shape OpenAI clients parse.
+into the body the client's SDK parses.
 """
 
 from __future__ import annotations
@@ -54,15 +58,54 @@ def error_body(
     }
 
 
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+OPENAI, ANTHROPIC, OLLAMA = "openai", "anthropic", "ollama"
+
+
+def anthropic_error_type(status: int) -> str:
+    if status in _ANTHROPIC_TYPE_BY_STATUS:
+        return _ANTHROPIC_TYPE_BY_STATUS[status]
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+def error_shape(path: str) -> str:
+    """Which client family a path serves, for the shape of its errors."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    if path.startswith(("/api/", "/ollama/api/")):
+        return OLLAMA
+    return OPENAI
+
+
 def api_error(
-    status: int, message: str, type: str | None = None, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    shape: str = OPENAI,
 ) -> web.Response:
-    """A JSON error response in OpenAI's shape; `type` defaults from the status."""
-    return web.Response(
-        status=status,
-        body=msgspec.json.encode(error_body(status, message, type, param, code)),
-        content_type="application/json",
-    )
+    """A JSON error response in the client's shape; the OpenAI `type` defaults from the status."""
+    if shape == ANTHROPIC:
+        body = anthropic_error_body(status, message)
+    elif shape == OLLAMA:
+        body = {"error": message}
+    else:
+        body = error_body(status, message, type, param, code)
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
 class ApiError(Exception):
@@ -86,8 +129,8 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.type, self.param, self.code)
 
-    def response(self) -> web.Response:
-        return api_error(self.status, self.message, self.type, self.param, self.code)
+    def response(self, shape: str = OPENAI) -> web.Response:
+        return api_error(self.status, self.message, self.type, self.param, self.code, shape)
 
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r})"
@@ -98,21 +141,23 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """ApiError and aiohttp HTTP errors (404, 405, 413...) become OpenAI error bodies; crashes a 500."""
+    """ApiError and aiohttp HTTP errors (404, 405, 413...) become error bodies in the shape of the
+    path's clients; crashes a 500."""
+    shape = error_shape(request.path)
     try:
         return await handler(request)
     except ApiError as exc:
-        return exc.response()
+        return exc.response(shape)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = api_error(exc.status, exc.text or exc.reason)
+        response = api_error(exc.status, exc.text or exc.reason, shape=shape)
         if "Allow" in exc.headers:  # 405 says which methods the route takes
             response.headers["Allow"] = exc.headers["Allow"]
         return response
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return api_error(500, "internal server error")
+        return api_error(500, "internal server error", shape=shape)
 
 
 T = TypeVar("T")

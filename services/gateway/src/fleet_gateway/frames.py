@@ -29,7 +29,8 @@ class Finished:
     completion_tokens: int
     stop_string: str | None = None
     last: TokenChunk | None = None
-    first_token_at: float = 0.0
+    first_token_at: float = 0.0  # time.monotonic(), 0.0 when no token came
+    finished_at: float = 0.0  # time.monotonic()
 
 
 @dataclass(frozen=True)

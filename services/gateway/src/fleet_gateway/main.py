@@ -1,6 +1,7 @@
 """Gateway service: the HTTP APIs on FLEET_GATEWAY_HOST:FLEET_GATEWAY_PORT.
 
-/health, /state, /events, /kv; admin: /models, /instances; OpenAI: /v1/chat/completions, /v1/models.
+/health, /state, /events, /kv; admin: /models, /instances; OpenAI: /v1/chat/completions,
+/v1/completions, /v1/responses, /v1/models; Anthropic: /v1/messages; Ollama: /api/* and /ollama/api/*.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from pathlib import Path
 from aiohttp import web
 
 from fleet_gateway.admin import admin_routes
+from fleet_gateway.anthropic_routes import anthropic_routes
 from fleet_gateway.app import state_routes
 from fleet_gateway.errors import error_middleware
 from fleet_gateway.generation import Generator, NodeLiveness
 from fleet_gateway.kv_routes import kv_routes
 from fleet_gateway.models import ModelCatalog
+from fleet_gateway.ollama_routes import ollama_routes
 from fleet_gateway.openai_routes import openai_routes
 from fleet_gateway.turns import Turns
 from fleet_proto import ServiceKind
@@ -43,6 +46,8 @@ async def main(ctx: ServiceContext) -> None:
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
     turns = Turns(generator, catalog, ctx.follower)
     app.add_routes(openai_routes(turns, ctx.follower))
+    app.add_routes(anthropic_routes(turns))
+    app.add_routes(ollama_routes(turns, ctx.follower))
     kv_index = KVIndex.from_url(ctx.settings.redis_url)
     app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(

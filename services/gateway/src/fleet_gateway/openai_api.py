@@ -8,7 +8,6 @@ Fleet extensions accepted in the body: top_k, min_p, repetition_penalty (as in v
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from typing import Any
 
@@ -17,7 +16,7 @@ import msgspec
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.frames import SSE, Finished, sse_data
 from fleet_gateway.parsing.output import Delta
-from fleet_gateway.sampling import SamplingAsk
+from fleet_gateway.sampling import SamplingAsk, check_sampling
 
 MAX_STOP_STRINGS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -77,6 +76,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
 
 
@@ -93,10 +93,6 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise ApiError(400, message, param=param, code="invalid_value")
-
-
-def _finite(value: float) -> bool:
-    return math.isfinite(value)
 
 
 def validate_chat_request(req: ChatCompletionRequest) -> None:
@@ -117,6 +113,7 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
             f"tools[{index}]",
             f'Invalid \'tools[{index}]\': expected {{"type": "function", "function": {{"name": ...}}}}.',
         )
+    check_text_format((req.response_format or {}).get("type", "text"), "response_format")
     if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
         raise ApiError(
             400,
@@ -125,38 +122,26 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
         )
 
 
+def check_text_format(kind: str, param: str) -> None:
+    """Only free text: JSON modes need constrained decoding, which Fleet's engines do not offer."""
+    if kind != "text":
+        raise ApiError(
+            400,
+            f"{param} {kind!r} is not supported: Fleet has no constrained (JSON) decoding yet; "
+            "ask for JSON in the prompt instead.",
+            param=param,
+        )
+
+
 def validate_sampling(req) -> None:
     """The checks chat and text completions share (both request structs name these fields alike)."""
-    if req.temperature is not None:
+    check_sampling(sampling_ask(req))
+    if req.max_completion_tokens is not None and req.max_tokens is not None:
         _check(
-            _finite(req.temperature) and req.temperature >= 0,
-            "temperature",
-            f"Invalid 'temperature': {req.temperature}; expected a number >= 0.",
+            req.max_tokens >= 1,
+            "max_tokens",
+            f"Invalid 'max_tokens': {req.max_tokens}; expected an integer >= 1.",
         )
-    if req.top_p is not None:
-        _check(
-            _finite(req.top_p) and 0 < req.top_p <= 1,
-            "top_p",
-            f"Invalid 'top_p': {req.top_p}; expected a number in (0, 1].",
-        )
-    if req.top_k is not None:
-        _check(req.top_k >= -1, "top_k", f"Invalid 'top_k': {req.top_k}; expected -1, 0 (off) or > 0.")
-    if req.min_p is not None:
-        _check(
-            _finite(req.min_p) and 0 <= req.min_p <= 1,
-            "min_p",
-            f"Invalid 'min_p': {req.min_p}; expected a number in [0, 1].",
-        )
-    if req.repetition_penalty is not None:
-        _check(
-            _finite(req.repetition_penalty) and req.repetition_penalty > 0,
-            "repetition_penalty",
-            f"Invalid 'repetition_penalty': {req.repetition_penalty}; expected a number > 0.",
-        )
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(req, name)
-        if value is not None:
-            _check(value >= 1, name, f"Invalid '{name}': {value}; expected an integer >= 1.")
     if req.n is not None:
         _check(req.n == 1, "n", f"Invalid 'n': {req.n}; only n=1 is supported.")
     for name in ("presence_penalty", "frequency_penalty"):

@@ -1,5 +1,5 @@
-"""OpenAI HTTP endpoints: POST /v1/chat/completions and /v1/completions (streamed and not),
-GET /v1/models, and
+"""OpenAI HTTP endpoints: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed
+and not), GET /v1/models, and
 POST /bench/chat/completions (a non-streamed chat completion with its generation stats; the seed's
 bench endpoint: `disaggregated` true / false forces or forbids remote prefill, `transport` picks
 "stream" or "staged")."""
@@ -14,6 +14,7 @@ from aiohttp import web
 from fleet_bus import StateFollower
 from fleet_gateway import completions_api as capi
 from fleet_gateway import openai_api as oai
+from fleet_gateway import responses_api as rapi
 from fleet_gateway.aliases import ready_models
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.frames import Finished
@@ -114,6 +115,18 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
         )
         return web.json_response(body)
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: one response, streamed as events or not; nothing is stored."""
+        req = rapi.parse_responses_request(await request.read())
+        prepared = await turns.prepare_chat(rapi.chat_turn(req))
+        response_id = rapi.new_response_id()
+        run = await turns.start(response_id, prepared)
+        skeleton = rapi.skeleton(response_id, prepared.model.model_id, req, int(time.time()))
+        if req.stream:
+            return await stream_run(request, run, rapi.ResponseEvents(skeleton))
+        text, finished = await collect(run)
+        return web.json_response(rapi.response_body(skeleton, text, finished))
+
     async def list_models(_: web.Request) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "fleet"}
@@ -124,6 +137,7 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
     return [
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
+        web.post("/v1/responses", responses),
         web.post("/bench/chat/completions", bench_chat_completions),
         web.get("/v1/models", list_models),
     ]

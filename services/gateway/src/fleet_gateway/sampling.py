@@ -6,6 +6,7 @@ errors name the client's field (`max_tokens_param`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fleet_gateway.errors import ApiError
@@ -28,6 +29,29 @@ class SamplingAsk:
     seed: int | None = None
     max_tokens_param: str = "max_tokens"
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def check_sampling(ask: SamplingAsk, names: dict[str, str] | None = None) -> None:
+    """Value checks every API shares; `names` maps a field to the client's name for it in errors."""
+    checks = (
+        ("temperature", lambda v: _finite(v) and v >= 0, "a number >= 0"),
+        ("top_p", lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+        ("top_k", lambda v: v >= -1, "-1, 0 (off) or > 0"),
+        ("min_p", lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
+        ("repetition_penalty", lambda v: _finite(v) and v > 0, "a number > 0"),
+        ("max_tokens", lambda v: v >= 1, "an integer >= 1"),
+    )
+    for field, valid, expected in checks:
+        value = getattr(ask, field)
+        if value is not None and not valid(value):
+            name = ask.max_tokens_param if field == "max_tokens" else (names or {}).get(field, field)
+            raise ApiError(
+                400, f"Invalid '{name}': {value}; expected {expected}.", param=name, code="invalid_value"
+            )
 
 
 def to_sampling(

@@ -166,6 +166,7 @@ class Run:
             stop_string,
             last,
             first_token_at,
+            time.monotonic(),
         )
 
 
