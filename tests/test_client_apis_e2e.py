@@ -336,6 +336,9 @@ def test_ollama_tools_generate_and_model_listings(thinker) -> None:
     templated = client.generate(model=PLAIN, prompt="hello", options={"num_predict": 3, "temperature": 0})
     assert templated.prompt_eval_count == len(prompt_ids(plain_dir, [{"role": "user", "content": "hello"}]))
     assert client.generate(model=PLAIN, prompt="").done_reason == "load"
+    with pytest.raises(ollama.ResponseError) as empty:  # raw ignores the system prompt: no tokens
+        client.generate(model=PLAIN, prompt="", system="be brief", raw=True)
+    assert empty.value.status_code == 400 and "empty" in empty.value.error
 
     assert {m.model for m in client.list().models} >= {MODEL, PLAIN}
     assert {m.model for m in client.ps().models} >= {MODEL, PLAIN}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -27,9 +27,24 @@ TOOL_CHOICES = ("auto", "none")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+# Documented for the OpenAPI schema; validated by `template_messages` (clearer errors, by path).
+MessageSchema = Annotated[
+    dict[str, Any],
+    msgspec.Meta(
+        extra_json_schema={
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"enum": list(ROLES)},
+                "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+            },
+        }
+    ),
+]
+
+
 class MessagesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     model: str
-    messages: list[dict[str, Any]]
+    messages: list[MessageSchema]
     max_tokens: int
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
@@ -45,7 +60,7 @@ class MessagesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     model: str
-    messages: list[dict[str, Any]]
+    messages: list[MessageSchema]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
 

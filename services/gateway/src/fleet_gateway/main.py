@@ -20,6 +20,7 @@ from fleet_gateway.kv_routes import kv_routes
 from fleet_gateway.models import ModelCatalog
 from fleet_gateway.ollama_routes import ollama_routes
 from fleet_gateway.openai_routes import openai_routes
+from fleet_gateway.openapi import openapi_document
 from fleet_gateway.turns import Turns
 from fleet_proto import ServiceKind
 from fleet_runtime.health import health_handler, start_http
@@ -48,6 +49,8 @@ async def main(ctx: ServiceContext) -> None:
     app.add_routes(openai_routes(turns, ctx.follower))
     app.add_routes(anthropic_routes(turns))
     app.add_routes(ollama_routes(turns, ctx.follower))
+    document = openapi_document()
+    app.router.add_get("/openapi.json", lambda _: web.json_response(document))
     kv_index = KVIndex.from_url(ctx.settings.redis_url)
     app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(

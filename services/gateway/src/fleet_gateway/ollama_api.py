@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -29,6 +29,7 @@ UNBOUNDED_TOKENS = 1 << 30
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama API revision these endpoints follow
 ROLES = ("system", "user", "assistant", "tool")
 NS = 1_000_000_000
+PREFIXES = ("/api", "/ollama/api")  # Ollama's own paths, and exo's
 
 
 class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -43,7 +44,9 @@ class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    role: str
+    role: Annotated[
+        str, msgspec.Meta(extra_json_schema={"enum": list(ROLES)})
+    ]  # checked with a clearer error
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[dict[str, Any]] | None = None

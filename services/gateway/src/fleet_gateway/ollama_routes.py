@@ -16,8 +16,6 @@ from fleet_gateway.parsing.tools import infer_tool_parser
 from fleet_gateway.streaming import stream_run
 from fleet_gateway.turns import Prepared, Turns, collect
 
-PREFIXES = ("/api", "/ollama/api")
-
 
 def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
     async def answer(request: web.Request, prepared: Prepared, stream: bool, generate: bool):
@@ -73,7 +71,7 @@ def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
         return web.json_response({"version": api.OLLAMA_API_VERSION})
 
     routes = []
-    for prefix in PREFIXES:
+    for prefix in api.PREFIXES:
         routes += [
             web.post(f"{prefix}/chat", chat),
             web.post(f"{prefix}/generate", generate),

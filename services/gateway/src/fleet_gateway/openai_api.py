@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -25,7 +25,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ContentPart(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    type: str
+    type: Annotated[str, msgspec.Meta(extra_json_schema={"enum": ["text"]})]
     text: str | None = None
 
 
@@ -41,7 +41,9 @@ class ToolCallItem(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    role: str
+    role: Annotated[
+        str, msgspec.Meta(extra_json_schema={"enum": list(ROLES)})
+    ]  # checked with a clearer error
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # assistant turns that called tools

@@ -198,7 +198,7 @@ def skeleton(id: str, model: str, req: ResponsesRequest, created_at: int) -> dic
 def _usage(finished: Finished) -> dict[str, Any]:
     return {
         "input_tokens": finished.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": finished.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,

@@ -233,6 +233,8 @@ class Turns:
 
     @staticmethod
     def sampling(model: ModelInfo, ask: SamplingAsk, prompt_len: int) -> SamplingParams:
+        if prompt_len == 0:
+            raise ApiError(400, "The prompt is empty: it encodes to no tokens.", param="prompt")
         return to_sampling(ask, model.tokenizer.eos_token_ids, model.max_model_len, prompt_len)
 
     async def start(self, request_id: str, prepared: Prepared, **choices: str) -> Run:
