@@ -75,3 +75,51 @@ def test_a_stop_string_ends_the_text_before_any_call(model: ModelInfo) -> None:
     step = TextStep(model, ["STOP"], prompt_text="", tool_format="hermes")
     delta = run(step, model, 'done STOP <tool_call>{"name": "x", "arguments": {}}</tool_call>')
     assert delta.tool_calls == [] and step.finish_reason("length") == "stop"
+
+
+HARMONY_TOKENS = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+)
+HARMONY_TEMPLATE = (  # gpt-oss's shape, reduced: the generation prompt ends with <|start|>assistant
+    "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m.content }}<|end|>{% endfor %}<|start|>assistant"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> ModelInfo:
+    folder = make_tiny_tokenizer_folder(tmp_path_factory.mktemp("harmony"), HARMONY_TOKENS)
+    (folder / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    return ModelInfo("tiny/harmony", ChatTokenizer.from_folder(folder), 2048, "fp")
+
+
+def test_harmony_channels_split_from_special_tokens_kept_in_the_text(harmony_model: ModelInfo) -> None:
+    tokenizer = harmony_model.tokenizer
+    assert all(len(tokenizer.encode(token)) == 1 for token in HARMONY_TOKENS)  # special: one id each
+    step = TextStep(harmony_model, [], prompt_text="")  # no tools offered: Harmony is split anyway
+    output = (
+        "<|channel|>analysis<|message|>The user wants weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Oslo"}<|call|>'
+    )
+    delta = run(step, harmony_model, output)
+    assert delta.reasoning == "The user wants weather." and delta.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in delta.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert step.finish_reason("stop") == "tool_calls"
+
+    final = run(
+        TextStep(harmony_model, []), harmony_model, "<|channel|>final<|message|>Sunny in Oslo.<|return|>"
+    )
+    assert (final.content, final.reasoning) == ("Sunny in Oslo.", "")
+    plain = run(
+        TextStep(harmony_model, [], split_reasoning=False), harmony_model, "<|channel|>final<|message|>hi"
+    )
+    assert plain.content == "finalhi"  # raw completions: special tokens give no text, nothing is split

@@ -55,10 +55,13 @@ def build_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def make_tiny_tokenizer_folder(folder: Path) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and generation_config.json into `folder`."""
+def make_tiny_tokenizer_folder(folder: Path, extra_special_tokens: tuple[str, ...] = ()) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json into `folder`; extra
+    special tokens (e.g. Harmony's) get the ids after the trained vocabulary."""
     folder.mkdir(parents=True, exist_ok=True)
-    build_tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens(list(extra_special_tokens))
+    tokenizer.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "GPT2Tokenizer",
         "bos_token": "<|im_start|>",

@@ -24,6 +24,7 @@ from fleet_gateway.errors import ApiError
 from fleet_gateway.frames import Event, Failed, Finished
 from fleet_gateway.generation import Generator, NoInstance
 from fleet_gateway.models import ModelCatalog, ModelInfo
+from fleet_gateway.parsing.harmony import HARMONY
 from fleet_gateway.parsing.output import Delta
 from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
 from fleet_gateway.parsing.reasoning import ThinkParser
@@ -46,7 +47,7 @@ class ChatTurn:
 class TextStep:
     """Token ids -> text deltas, cut at the first stop string, then split into reasoning (when the
     model thinks in <think> tags: its chat template says so), answer and tool calls (when the
-    request offers tools: in the format the chat template implies)."""
+    request offers tools: in the format the chat template implies; Harmony models always)."""
 
     def __init__(
         self,
@@ -56,14 +57,19 @@ class TextStep:
         tool_format: str = "",
         split_reasoning: bool = True,
     ) -> None:
-        self.detokenizer = IncrementalDetokenizer(model.tokenizer)
+        template = model.tokenizer.chat_template or ""
+        # Harmony (gpt-oss) marks reasoning, answers and calls with special tokens: keep them in the
+        # text and let its parser split it all, tools offered or not.
+        harmony = split_reasoning and infer_tool_parser(template) == HARMONY
+        self.detokenizer = IncrementalDetokenizer(model.tokenizer, skip_special_tokens=not harmony)
         self.stops = StopMatcher(stops)
         self.completion_tokens = 0
         self.hit_stop = False
         self.tool_calls = 0  # emitted so far
-        thinks = split_reasoning and THINK_OPEN in (model.tokenizer.chat_template or "")
+        thinks = split_reasoning and not harmony and THINK_OPEN in template
         self.reasoning = ThinkParser.for_prompt(prompt_text) if thinks else None
-        self.tools = PARSERS[tool_format]() if tool_format else None
+        parser = HARMONY if harmony else tool_format
+        self.tools = PARSERS[parser]() if parser else None
 
     def push(self, token_ids: tuple[int, ...]) -> Delta:
         self.completion_tokens += len(token_ids)
@@ -90,7 +96,7 @@ class TextStep:
         if self.tools is not None:
             parsed = self.tools.push(delta.content)
             parsed = parsed.merge(self.tools.flush()) if final else parsed
-            delta = Delta(parsed.content, delta.reasoning, parsed.tool_calls)
+            delta = Delta(parsed.content, delta.reasoning + parsed.reasoning, parsed.tool_calls)
         self.tool_calls += len(delta.tool_calls)
         return delta
 

@@ -7,6 +7,8 @@
 - dsml (DeepSeek V3.2): `<|DSML|function_calls>` holding `<|DSML|invoke name="f">` elements with
   `<|DSML|parameter name="p" string="true|false">value</|DSML|parameter>` (string="false": JSON;
   the bars around DSML are U+FF5C FULLWIDTH VERTICAL LINE)
+- harmony (gpt-oss): channels and `to=functions.f` recipients (parsing/harmony.py; it splits the
+  reasoning too)
 
 A call that does not parse stays in the content as the model wrote it: nothing is lost.
 """
@@ -17,6 +19,7 @@ import json
 import re
 from typing import Protocol
 
+from fleet_gateway.parsing.harmony import HARMONY, HarmonyParser
 from fleet_gateway.parsing.output import Delta, ToolCall
 from fleet_gateway.parsing.tags import ENTER, EXIT, INSIDE, OUTSIDE, TagSplitter
 
@@ -170,16 +173,16 @@ class JsonCalls:
         return Delta(tool_calls=calls)
 
 
-PARSERS = {"hermes": hermes_parser, "json": JsonCalls, "dsml": dsml_parser}
+PARSERS = {"hermes": hermes_parser, "json": JsonCalls, "dsml": dsml_parser, HARMONY: HarmonyParser}
 
 
 def infer_tool_parser(chat_template: str) -> str:
     """The tool-call format a chat template asks for ("" when it renders no tools). Harmony
-    (gpt-oss) is told apart by its channel tokens and parsed on token ids instead."""
+    (gpt-oss) is told apart by its channel tokens."""
     if DSML in chat_template:
         return "dsml"
     if "<|channel|>" in chat_template:
-        return "harmony"
+        return HARMONY
     if "<tool_call>" in chat_template:
         return "hermes"
     if PYTHON_TAG in chat_template or "tools" in chat_template:
