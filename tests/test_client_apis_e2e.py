@@ -398,3 +398,46 @@ def test_a_quantized_name_is_served_by_the_same_base_model(thinker) -> None:
         model="someone/thinker-4bit", messages=MESSAGES, max_tokens=2, temperature=0
     )
     assert reply.model == MODEL and reply.usage.completion_tokens == 2
+
+
+def written(raw: bytes) -> str:
+    """A token's text as OpenAI writes it: a piece of a UTF-8 character as its bytes."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join("\\x" + format(b, "02x") for b in raw)
+
+
+def test_logprobs_of_chat_and_text_completions(thinker) -> None:
+    manifest, _ = thinker
+    client = openai.OpenAI(base_url=f"{manifest.gateway_url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    scores = reply.choices[0].logprobs.content
+    assert len(scores) == reply.usage.completion_tokens == 5
+    for score in scores:  # greedy: each sampled token is the likeliest of its top two
+        assert len(score.top_logprobs) == 2 and score.top_logprobs[0].logprob == score.logprob <= 0
+        assert score.token == written(bytes(score.bytes))
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, stream=True
+    )
+    streamed = [
+        s
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for s in chunk.choices[0].logprobs.content
+    ]
+    assert [(s.token, s.logprob) for s in streamed] == [(s.token, s.logprob) for s in scores]
+    assert all(s.top_logprobs == [] for s in streamed)
+
+    text = client.completions.create(model=PLAIN, prompt="the sea", max_tokens=4, temperature=0, logprobs=2)
+    legacy = text.choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.text_offset) == 4
+    assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(4)]
+    assert all(
+        1 <= len(top) <= 2 and max(top.values()) == lp
+        for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs, strict=True)
+    )
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None

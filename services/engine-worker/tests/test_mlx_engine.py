@@ -254,3 +254,24 @@ def test_failing_sampler_fails_only_its_request(engine: MlxEngine, reference: tu
     assert final["broken"].finish_reason == "error"
     assert "sampler broke" in final["broken"].error
     assert tokens["ok"] == reference_greedy(reference, PROMPTS[1], 6)
+
+
+def test_logprobs_are_mlx_lm_log_softmax_with_the_top_tokens(
+    engine: MlxEngine, reference: tuple[object, object]
+):
+    model, _ = reference
+    prompt = PROMPTS[3]
+    steps = list(zip(generate_step(mx.array(prompt), model, max_tokens=6), range(6), strict=False))
+    expected = [(token, row.astype(mx.float32)) for (token, row), _ in steps]
+    engine.add(request("lp", prompt, greedy(6, logprobs=3)))
+    engine.add(request("none", prompt, greedy(6)))
+    scored, plain = [], []
+    while engine.has_work():
+        for output in engine.step():
+            (scored if output.request_id == "lp" else plain).extend(output.logprobs)
+    assert plain == [] and [s.token_id for s in scored] == [token for token, _ in expected]
+    for score, (token, row) in zip(scored, expected, strict=True):
+        top = mx.argsort(-row)[:3].tolist()
+        assert score.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert list(score.top_ids) == top and score.top_ids[0] == token  # greedy: the likeliest
+        assert list(score.top_logprobs) == pytest.approx([row[i].item() for i in top], abs=1e-4)

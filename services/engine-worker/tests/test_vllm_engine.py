@@ -163,6 +163,21 @@ async def test_a_stop_token_ends_the_request_and_is_not_emitted(engine: Engine, 
     assert outputs[-1].finish_reason == "stop" and outputs[-1].completion_tokens == at + 1
 
 
+async def test_logprobs_come_per_emitted_token_with_the_top_tokens(engine: Engine, reference) -> None:
+    outputs = await engine.run("logprobs", PROMPTS[3], greedy(logprobs=2))
+    assert tokens(outputs) == reference[tuple(PROMPTS[3])]
+    scores = [score for output in outputs for score in output.logprobs]
+    assert [s.token_id for s in scores] == tokens(outputs)
+    for score in scores:  # greedy: the sampled token is the likeliest one
+        assert score.top_ids[0] == score.token_id and len(score.top_ids) == 2
+        assert (
+            score.top_logprobs[0] == pytest.approx(score.logprob)
+            and score.top_logprobs[1] <= score.logprob <= 0
+        )
+    plain = await engine.run("no-logprobs", PROMPTS[3])
+    assert all(output.logprobs == () for output in plain)
+
+
 async def test_seeded_sampling_repeats(engine: Engine) -> None:
     sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=11, max_tokens=12)
     first = await engine.run("seed-a", PROMPTS[1], sampling)

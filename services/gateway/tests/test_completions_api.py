@@ -33,7 +33,7 @@ def test_a_string_or_token_ids_parse_with_openais_default_length() -> None:
         ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 2}, "best_of"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),
         ({"n": 2}, "n"),
         ({"temperature": -1}, "temperature"),
         ({"model": " "}, "model"),

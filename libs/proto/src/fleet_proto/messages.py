@@ -17,7 +17,8 @@ class SamplingParams(Frozen):
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    logprobs: int = 0  # top-k logprobs per token, 0: none
+    # None: no log-probabilities; k >= 0: each sampled token's and the k most likely tokens'
+    logprobs: int | None = None
 
 
 TRANSPORTS = ("auto", "stream", "staged")
@@ -84,6 +85,16 @@ class PrefillReply(Frozen):
     error: str = ""
 
 
+class TokenLogprob(Frozen):
+    """One generated token's log-probability, and the most likely tokens at its position (most
+    likely first; as many as SamplingParams.logprobs asked for)."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 class GenerationOutput(Frozen):
     """New tokens of one request; the last output of a request has finish_reason set."""
 
@@ -98,6 +109,7 @@ class GenerationOutput(Frozen):
     # Prompt tokens whose KV came from a cache (the engine's prefix cache or Fleet's KV tiers).
     prefix_cached_tokens: int = 0
     handoff: HandoffStats | None = None  # disaggregated requests, in the last output
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the sampling params ask
 
 
 class TokenChunk(GenerationOutput):

@@ -1,12 +1,13 @@
 """OpenAI (legacy) text completions adapter, pure: POST /v1/completions request and response shapes.
 
-One prompt per request (a string, or token ids), n = 1, no echo / suffix / logprobs / best_of yet:
-each of those is a clear 400. Sampling fields and their checks are the chat adapter's.
+One prompt per request (a string, or token ids), n = 1, logprobs up to 5; no echo / suffix /
+best_of yet: each of those is a clear 400. Sampling fields and their checks are the chat adapter's.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -14,9 +15,12 @@ import msgspec
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.frames import SSE, Finished, sse_data
 from fleet_gateway.openai_api import SSE_DONE, StreamOptions, usage, validate_sampling
-from fleet_gateway.parsing.output import Delta
+from fleet_gateway.openai_api import sampling_ask as oai_sampling_ask
+from fleet_gateway.parsing.output import Delta, TokenScore
+from fleet_gateway.sampling import SamplingAsk
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_LOGPROBS = 5  # OpenAI's limit for the legacy endpoint
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -56,6 +60,12 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
         raise ApiError(400, "Only one prompt per request is supported.", param="prompt")
     if not req.prompt or req.prompt == [""]:
         raise ApiError(400, "'prompt' must not be empty.", param="prompt")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise ApiError(
+            400,
+            f"Invalid 'logprobs': {req.logprobs}; expected an integer in [0, {MAX_LOGPROBS}].",
+            param="logprobs",
+        )
     for name, unsupported in (
         ("echo", req.echo),
         ("suffix", req.suffix),
@@ -65,6 +75,26 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
             raise ApiError(400, f"'{name}' is not supported yet.", param=name)
     validate_sampling(req)
     return req
+
+
+def sampling_ask(req: CompletionRequest) -> SamplingAsk:
+    """Chat's mapping, with the legacy `logprobs` (the number of top tokens) instead of
+    logprobs + top_logprobs."""
+    return replace(oai_sampling_ask(req), logprobs=req.logprobs)
+
+
+def text_logprobs(scores: list[TokenScore], offset: int = 0) -> dict[str, Any]:
+    """The legacy logprobs object: parallel lists, text offsets counted from `offset`."""
+    offsets = []
+    for score in scores:
+        offsets.append(offset)
+        offset += len(score.token)
+    return {
+        "tokens": [s.token for s in scores],
+        "token_logprobs": [s.logprob for s in scores],
+        "top_logprobs": [{t.token: t.logprob for t in s.top} for s in scores],
+        "text_offset": offsets,
+    }
 
 
 def prompt_token_ids(req: CompletionRequest, tokenizer) -> list[int]:
@@ -87,22 +117,34 @@ def _body(id: str, model: str, created: int, choices: list[dict[str, Any]]) -> d
     return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices}
 
 
-def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+def _choice(text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def text_completion_response(
-    id: str, model: str, created: int, text: str, finish_reason: str, counts: tuple[int, int]
+    id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    counts: tuple[int, int],
+    scores: list[TokenScore] | None = None,
 ) -> dict[str, Any]:
     """The non-streamed body; counts = (prompt tokens, completion tokens)."""
-    body = _body(id, model, created, [_choice(text, finish_reason)])
+    logprobs = text_logprobs(scores) if scores else None
+    body = _body(id, model, created, [_choice(text, finish_reason, logprobs)])
     return body | {"usage": usage(*counts), "system_fingerprint": None}
 
 
 def text_chunk(
-    id: str, model: str, created: int, text: str, finish_reason: str | None = None
+    id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return _body(id, model, created, [_choice(text, finish_reason)])
+    return _body(id, model, created, [_choice(text, finish_reason, logprobs)])
 
 
 def text_usage_chunk(id: str, model: str, created: int, counts: tuple[int, int]) -> dict[str, Any]:
@@ -119,14 +161,18 @@ class TextChunks:
     def __init__(self, id: str, model: str, created: int, include_usage: bool) -> None:
         self.id, self.model, self.created, self.include_usage = id, model, created, include_usage
         self._counts = (0, 0)
+        self._offset = 0  # characters of text so far (the tokens' text offsets continue from it)
 
     def start(self) -> list[bytes]:
         return []
 
     def delta(self, delta: Delta) -> list[bytes]:
-        return (
-            [sse_data(text_chunk(self.id, self.model, self.created, delta.content))] if delta.content else []
-        )
+        if not (delta.content or delta.logprobs):
+            return []
+        logprobs = text_logprobs(delta.logprobs, self._offset) if delta.logprobs else None
+        self._offset += sum(len(s.token) for s in delta.logprobs) if delta.logprobs else len(delta.content)
+        body = text_chunk(self.id, self.model, self.created, delta.content, logprobs=logprobs)
+        return [sse_data(body)]
 
     def finish(self, finished: Finished) -> list[bytes]:
         self._counts = (finished.prompt_tokens, finished.completion_tokens)

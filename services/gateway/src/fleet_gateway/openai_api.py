@@ -15,12 +15,13 @@ import msgspec
 
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.frames import SSE, Finished, sse_data
-from fleet_gateway.parsing.output import Delta
+from fleet_gateway.parsing.output import Delta, TokenScore
 from fleet_gateway.sampling import SamplingAsk, check_sampling
 
 MAX_STOP_STRINGS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto")
+MAX_TOP_LOGPROBS = 20
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -104,8 +105,13 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
     for index, message in enumerate(req.messages):
         _validate_message(index, message)
     validate_sampling(req)
-    if req.top_logprobs:
-        raise ApiError(400, "'top_logprobs' is not supported yet.", param="top_logprobs")
+    if req.top_logprobs is not None:
+        _check(
+            0 <= req.top_logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"Invalid 'top_logprobs': {req.top_logprobs}; expected an integer in [0, {MAX_TOP_LOGPROBS}].",
+        )
+        _check(bool(req.logprobs), "top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
     for index, tool in enumerate(req.tools or []):
         function = tool.get("function")
         _check(
@@ -150,8 +156,6 @@ def validate_sampling(req) -> None:
         value = getattr(req, name)
         if value is not None:
             _check(value == 0, name, f"'{name}' is not supported; only 0 is accepted.")
-    if req.logprobs:
-        raise ApiError(400, "'logprobs' is not supported yet.", param="logprobs")
     if req.stream_options is not None and not req.stream:
         raise ApiError(
             400,
@@ -269,6 +273,7 @@ def sampling_ask(req) -> SamplingAsk:
         repetition_penalty=req.repetition_penalty,
         seed=req.seed,
         max_tokens_param="max_completion_tokens" if uses_new_name else "max_tokens",
+        logprobs=(req.top_logprobs or 0) if req.logprobs is True else None,
     )
 
 
@@ -287,6 +292,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _score(score: TokenScore) -> dict[str, Any]:
+    return {"token": score.token, "logprob": score.logprob, "bytes": score.bytes}
+
+
+def chat_logprobs(scores: list[TokenScore]) -> dict[str, Any]:
+    """choices[].logprobs of a chat completion (or chunk)."""
+    content = [_score(s) | {"top_logprobs": [_score(t) for t in s.top]} for s in scores]
+    return {"content": content, "refusal": None}
+
+
 def completion_response(
     id: str,
     model: str,
@@ -297,6 +312,7 @@ def completion_response(
     completion_tokens: int,
     reasoning: str = "",
     tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A non-streamed `chat.completion` body; reasoning goes to `reasoning_content` (as vLLM and
     DeepSeek's API do); with tool calls the content is null and finish_reason "tool_calls"."""
@@ -315,7 +331,7 @@ def completion_response(
             {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -332,6 +348,7 @@ def chunk(
     finish_reason: str | None = None,
     *,
     include_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`; with include_usage, `usage: null` as OpenAI sends on every chunk."""
     body: dict[str, Any] = {
@@ -340,7 +357,7 @@ def chunk(
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         body["usage"] = None
@@ -379,9 +396,18 @@ class ChatChunks:
         self._calls = 0
         self._usage = (0, 0)
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    def _chunk(
+        self, delta: dict[str, Any], finish_reason: str | None = None, scores: list[TokenScore] | None = None
+    ) -> bytes:
+        logprobs = chat_logprobs(scores) if scores else None
         body = chunk(
-            self.id, self.model, self.created, delta, finish_reason, include_usage=self.include_usage
+            self.id,
+            self.model,
+            self.created,
+            delta,
+            finish_reason,
+            include_usage=self.include_usage,
+            logprobs=logprobs,
         )
         return sse_data(body)
 
@@ -396,7 +422,7 @@ class ChatChunks:
             items = tool_call_items(delta.tool_calls)
             fields["tool_calls"] = [item | {"index": self._calls + i} for i, item in enumerate(items)]
             self._calls += len(items)
-        return [self._chunk(fields)] if fields else []
+        return [self._chunk(fields, scores=delta.logprobs)] if fields or delta.logprobs else []
 
     def finish(self, finished: Finished) -> list[bytes]:
         self._usage = (finished.prompt_tokens, finished.completion_tokens)

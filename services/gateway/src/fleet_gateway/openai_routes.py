@@ -102,7 +102,7 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
         req = capi.parse_completion_request(await request.read())
         model = await turns.resolve(req.model)
         prompt = capi.prompt_token_ids(req, model.tokenizer)
-        prepared = turns.prepare_text(model, prompt, oai.sampling_ask(req), oai.stop_strings(req))
+        prepared = turns.prepare_text(model, prompt, capi.sampling_ask(req), oai.stop_strings(req))
         completion_id, created = capi.new_text_completion_id(), int(time.time())
         run = await turns.start(completion_id, prepared)
         if req.stream:
@@ -111,7 +111,7 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
         text, finished = await collect(run)
         counts = (finished.prompt_tokens, finished.completion_tokens)
         body = capi.text_completion_response(
-            completion_id, model.model_id, created, text.content, finished.reason, counts
+            completion_id, model.model_id, created, text.content, finished.reason, counts, text.logprobs
         )
         return web.json_response(body)
 
@@ -154,4 +154,5 @@ def chat_body(completion_id: str, created: int, model: str, text: Delta, finishe
         finished.completion_tokens,
         text.reasoning,
         oai.tool_call_items(text.tool_calls),
+        oai.chat_logprobs(text.logprobs) if text.logprobs else None,
     )

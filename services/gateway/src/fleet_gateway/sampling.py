@@ -29,6 +29,7 @@ class SamplingAsk:
     seed: int | None = None
     max_tokens_param: str = "max_tokens"
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    logprobs: int | None = None  # None: none; k: each token's and the k likeliest
 
 
 def _finite(value: float) -> bool:
@@ -90,6 +91,7 @@ def to_sampling(
         repetition_penalty=1.0 if ask.repetition_penalty is None else ask.repetition_penalty,
         seed=ask.seed,
         stop_token_ids=tuple(dict.fromkeys(eos_ids)),
+        logprobs=ask.logprobs,
     )
 
 

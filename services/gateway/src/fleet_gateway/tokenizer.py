@@ -7,6 +7,7 @@ Uses `tokenizers` (tokenizer.json) and a sandboxed jinja2 environment like trans
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, NoReturn
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 Message = Mapping[str, Any]
 
@@ -63,6 +64,28 @@ def _pick_template(value: Any) -> str | None:
             return named["default"]
         raise TemplateError(f"chat_template lists {sorted(map(str, named))} but no 'default' template")
     raise TemplateError(f"chat_template has an unexpected type: {type(value).__name__}")
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable bytes stand for themselves, the others
+    for the characters from U+0100 on, in order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -152,6 +175,18 @@ class ChatTokenizer:
     @property
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when they are not a whole UTF-8 character (decoding
+        it alone would give U+FFFD): byte-level BPE pieces map back through GPT-2's byte alphabet,
+        SentencePiece byte-fallback pieces are "<0xNN>"."""
+        piece = self._tokenizer.id_to_token(token_id) or ""
+        byte_piece = _BYTE_FALLBACK.fullmatch(piece)
+        if byte_piece:
+            return bytes([int(byte_piece.group(1), 16)])
+        if isinstance(self._tokenizer.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     @property
     def vocab_size(self) -> int:

@@ -25,13 +25,15 @@ from fleet_gateway.frames import Event, Failed, Finished
 from fleet_gateway.generation import Generator, NoInstance
 from fleet_gateway.models import ModelCatalog, ModelInfo
 from fleet_gateway.parsing.harmony import HARMONY
-from fleet_gateway.parsing.output import Delta
+from fleet_gateway.parsing.output import Delta, TokenScore
 from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
 from fleet_gateway.parsing.reasoning import ThinkParser
 from fleet_gateway.parsing.tools import PARSERS, infer_tool_parser
 from fleet_gateway.sampling import SamplingAsk, engine_finish_reason, to_sampling
 from fleet_gateway.stops import StopMatcher
+from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_proto import SamplingParams, TokenChunk
+from fleet_proto.messages import TokenLogprob
 from fleet_store import StoreError
 
 
@@ -101,6 +103,22 @@ class TextStep:
         return delta
 
 
+def token_score(tokenizer: ChatTokenizer, logprob: TokenLogprob) -> TokenScore:
+    """An engine's TokenLogprob with token texts and bytes; a token holding part of a UTF-8
+    character is written "bytes:\\xNN..." as OpenAI does (its bytes tell the truth)."""
+
+    def scored(token_id: int, value: float, top: list[TokenScore]) -> TokenScore:
+        raw = tokenizer.token_bytes(token_id)
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return TokenScore(text, value, list(raw), top)
+
+    top = [scored(i, v, []) for i, v in zip(logprob.top_ids, logprob.top_logprobs, strict=True)]
+    return scored(logprob.token_id, logprob.logprob, top)
+
+
 def tool_format(model: ModelInfo, tools: list[dict[str, Any]] | None) -> str:
     """The tool-call format to parse ("" when the request offers no tools); 400 when the model's
     chat template cannot render tools or its format is not parsed yet."""
@@ -150,6 +168,7 @@ class Run:
                     first_token_at = time.monotonic()
                 last = chunk
                 delta = step.push(chunk.token_ids)
+                delta.logprobs = [token_score(self.prepared.model.tokenizer, lp) for lp in chunk.logprobs]
                 if delta:
                     yield delta
                 if step.hit_stop or chunk.finish_reason:

@@ -6,7 +6,8 @@ gets its first token in the step that admits it) and returns what changed.
 
 Contract: add() never raises for a bad request (empty prompt, token id out of range...): the request
 ends with an "error" output at the next step(). Every added request gets exactly one final output
-(finish_reason set). SamplingParams.logprobs is not produced yet (the gateway refuses it).
+(finish_reason set). With SamplingParams.logprobs = k, each output carries one TokenLogprob per
+token id (its log-probability and the k most likely tokens').
 Disaggregation: a request with `export` is prefilled only and its KV written as handoff chunks;
 one with `kv_import` decodes from such chunks (engines without it refuse the request).
 Engines are named in a lazy registry so the worker never imports an engine it does not run; an
@@ -58,6 +59,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     export: KVExport | None = None
     kv_import: KVImport | None = None
 
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 # What step() returns per request: the wire TokenChunk without its sequence number.
 EngineOutput = GenerationOutput
@@ -146,6 +149,10 @@ def request_problem(request: EngineRequest, vocab_size: int) -> str:
         (params.top_k < 0, f"top_k must be >= 0 (0: off), got {params.top_k}"),
         (not 0 <= params.min_p <= 1, f"min_p must be in [0, 1], got {params.min_p}"),
         (params.repetition_penalty <= 0, f"repetition_penalty must be > 0, got {params.repetition_penalty}"),
+        (
+            params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS,
+            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs}",
+        ),
     ]
     return next((message for failed, message in checks if failed), "")
 

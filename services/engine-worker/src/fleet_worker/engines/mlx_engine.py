@@ -50,6 +50,7 @@ from mlx_lm.sample_utils import (
 )
 
 from fleet_proto import HandoffStats, SamplingParams
+from fleet_proto.messages import TokenLogprob
 from fleet_store.handoff import HandoffError, HandoffWriter, assemble, read_folder
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder
 from fleet_worker.engines.base import (
@@ -106,7 +107,9 @@ class _Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix store
     fallback: str = ""  # why a handed-over KV could not be used (the prompt was prefilled here)
 
-    def output(self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "") -> EngineOutput:
+    def output(
+        self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "", logprobs: tuple = ()
+    ) -> EngineOutput:
         decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
         return EngineOutput(
             request_id=self.request.request_id,
@@ -119,7 +122,21 @@ class _Sequence:
             decode_time_s=decode_time_s,
             prefix_cached_tokens=self.cached_tokens,
             handoff=HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None,
+            logprobs=logprobs,
         )
+
+
+def token_logprob(logprobs: mx.array, token: int, k: int) -> TokenLogprob:
+    """The sampled token's log-probability and the k most likely tokens' (mlx-lm hands over the
+    whole log-softmax row of each step)."""
+    top_ids: list[int] = []
+    if k:
+        candidates = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        top_ids = [int(i) for i in candidates[mx.argsort(-logprobs[candidates])].tolist()]
+    values = logprobs[mx.array([token, *top_ids])].astype(mx.float32).tolist()
+    return TokenLogprob(
+        token_id=token, logprob=values[0], top_ids=tuple(top_ids), top_logprobs=tuple(values[1:])
+    )
 
 
 def activation_dtype(model: Any) -> mx.Dtype:
@@ -300,14 +317,20 @@ class MlxEngine:
             for sequence in failed:
                 self._finish(sequence)
             return [sequence.output(finish_reason="error", error=_describe(error)) for sequence in failed]
-        return [self._emit(self._running[r.uid], r.token, r.finish_reason) for r in responses]
+        return [self._emit(self._running[r.uid], r) for r in responses]
 
-    def _emit(self, sequence: _Sequence, token: int, finish_reason: str | None) -> EngineOutput:
+    def _emit(self, sequence: _Sequence, response: Any) -> EngineOutput:
+        """One generated token of a GenerationBatch response (the stop token is not emitted)."""
         sequence.generated += 1
+        finish_reason = response.finish_reason or ""
         if finish_reason:
             self._finish(sequence)
-        tokens = () if finish_reason == "stop" else (token,)
-        return sequence.output(tokens, finish_reason or "")
+        tokens = () if finish_reason == "stop" else (response.token,)
+        top = sequence.request.sampling.logprobs
+        logprobs = (
+            (token_logprob(response.logprobs, response.token, top),) if tokens and top is not None else ()
+        )
+        return sequence.output(tokens, finish_reason, logprobs=logprobs)
 
     def _admit(self, group: list[_Sequence]) -> list[EngineOutput]:
         start = time.perf_counter()
@@ -323,7 +346,7 @@ class MlxEngine:
         for sequence in group:
             sequence.prompt_time_s, sequence.first_token_at = now - start, now
             self._running[sequence.uid] = sequence
-        outputs = [self._emit(self._running[r.uid], r.token, r.finish_reason) for r in responses]
+        outputs = [self._emit(self._running[r.uid], r) for r in responses]
         if len(batch):
             if self._batch is None or not len(self._batch):
                 self._batch = batch

@@ -47,7 +47,7 @@ from fleet_worker.engines.base import (
     request_problem,
 )
 from fleet_worker.engines.vllm_loader import register_progress_loader
-from fleet_worker.engines.vllm_sampling import emitted_tokens, vllm_sampling_kwargs
+from fleet_worker.engines.vllm_sampling import emitted_tokens, token_logprobs, vllm_sampling_kwargs
 
 CONNECTOR_MODULE = "fleet_worker.engines.vllm_connector"
 CONNECTOR_CLASS = "FleetKVConnector"
@@ -85,7 +85,9 @@ class _Sequence:
     generated: int = 0
     fallback: str = ""  # why a handed-over KV could not be used (vLLM prefilled it all)
 
-    def output(self, tokens: list[int], finish_reason: str = "", cached: int = 0) -> EngineOutput:
+    def output(
+        self, tokens: list[int], finish_reason: str = "", cached: int = 0, logprobs: tuple = ()
+    ) -> EngineOutput:
         now = time.perf_counter()
         handoff = HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None
         return EngineOutput(
@@ -98,6 +100,7 @@ class _Sequence:
             decode_time_s=now - self.first_token_at if self.first_token_at else 0.0,
             prefix_cached_tokens=cached,
             handoff=handoff,
+            logprobs=logprobs,
         )
 
 
@@ -266,7 +269,9 @@ class VllmEngine:
         if sequence.request.export is not None:
             tokens, finish_reason = [], "length" if finish_reason else ""  # its product is the KV
         cached = (result.num_cached_tokens or 0) if finish_reason else 0
-        return sequence.output(tokens, finish_reason, cached)
+        top = sequence.request.sampling.logprobs
+        logprobs = token_logprobs(tokens, completion.logprobs, top) if top is not None and tokens else ()
+        return sequence.output(tokens, finish_reason, cached, logprobs)
 
     def take_kv_changes(self) -> KVChanges:
         """Blocks the connector wrote since the last call (vLLM's own prefix cache is not indexed: its

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fleet_proto import SamplingParams
+from fleet_proto.messages import TokenLogprob
 
 
 def vllm_sampling_kwargs(
@@ -31,7 +32,7 @@ def vllm_sampling_kwargs(
         "detokenize": False,
         "skip_special_tokens": False,
     }
-    if params.logprobs:
+    if params.logprobs is not None:  # vLLM: 0 = the sampled token's only
         kwargs["logprobs"] = params.logprobs
     return kwargs
 
@@ -41,3 +42,28 @@ def emitted_tokens(new_tokens: list[int], finish_reason: str, stop_ids: frozense
     if finish_reason == "stop" and new_tokens and new_tokens[-1] in stop_ids:
         return new_tokens[:-1]
     return new_tokens
+
+
+def token_logprobs(tokens: list[int], positions: Any, k: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's sample logprobs (one {token id: Logprob} per position: the sampled token and the top
+    k, each with its rank) for the tokens emitted, as Fleet's TokenLogprob, most likely first."""
+    result = []
+    for token, position in zip(tokens, positions or (), strict=False):
+        top = sorted(
+            (
+                (entry.logprob, token_id)
+                for token_id, entry in position.items()
+                if entry.rank and entry.rank <= k
+            ),
+            reverse=True,
+        )[:k]
+        chosen = position[token].logprob if token in position else float("-inf")
+        result.append(
+            TokenLogprob(
+                token_id=token,
+                logprob=chosen,
+                top_ids=tuple(token_id for _, token_id in top),
+                top_logprobs=tuple(logprob for logprob, _ in top),
+            )
+        )
+    return tuple(result)
