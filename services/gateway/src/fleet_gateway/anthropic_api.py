@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from fleet_gateway.content import NotText, joined_text
 from fleet_gateway.errors import ApiError, anthropic_error_body, decode_json_body
 from fleet_gateway.frames import SSE, Finished, sse_event
 from fleet_gateway.parsing.output import Delta, ToolCall
@@ -91,20 +92,14 @@ def parse_count_tokens_request(body: bytes) -> CountTokensRequest:
 
 def _text_of(content: Any, where: str) -> str:
     """A string, or text blocks joined by newlines (a tool_result's content is either)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, f"{where}: expected a string or a list of content blocks")
-    texts = []
-    for index, block in enumerate(content):
-        if (
-            not isinstance(block, dict)
-            or block.get("type") != "text"
-            or not isinstance(block.get("text"), str)
-        ):
-            raise _bad(f"{where}.{index}", f"{where}.{index}: only text blocks are supported here")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    try:
+        return joined_text(content, ("text",))
+    except NotText as exc:
+        if exc.index is None:
+            raise _bad(where, f"{where}: expected a string or a list of content blocks") from None
+        raise _bad(
+            f"{where}.{exc.index}", f"{where}.{exc.index}: only text blocks are supported here"
+        ) from None
 
 
 def _message_items(index: int, message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from fleet_gateway.content import NotText, joined_text
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.frames import SSE, Finished, sse_event
 from fleet_gateway.openai_api import TOOL_CHOICES, check_text_format
@@ -86,23 +87,13 @@ def sampling_ask(req: ResponsesRequest) -> SamplingAsk:
 
 
 def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, f"'{where}' must be a string or a list of content parts.")
-    texts = []
-    for index, part in enumerate(content):
-        if (
-            not isinstance(part, dict)
-            or part.get("type") not in TEXT_PARTS
-            or not isinstance(part.get("text"), str)
-        ):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise _bad(
-                f"{where}[{index}]", f"Content part type {kind!r} is not supported; only text parts are."
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
+    try:
+        return joined_text(content, TEXT_PARTS)
+    except NotText as exc:
+        if exc.index is None:
+            raise _bad(where, f"'{where}' must be a string or a list of content parts.") from None
+        message = f"Content part type {exc.kind!r} is not supported; only text parts are."
+        raise _bad(f"{where}[{exc.index}]", message) from None
 
 
 def template_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
