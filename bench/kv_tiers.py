@@ -28,7 +28,9 @@ from pathlib import Path
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster import REPO, delete, serve_on, stage, two_workers, write_result
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SYSTEM = " ".join(
     f"Rule {n}: always answer politely and mention the number {n * 7 % 101}." for n in range(130)
@@ -37,39 +39,6 @@ SYSTEM = " ".join(
 
 def messages(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-
-
-async def call(session: aiohttp.ClientSession, method: str, url: str, body: dict | None = None) -> dict:
-    async with session.request(method, url, json=body) as response:
-        if response.status >= 300:
-            raise RuntimeError(f"{method} {url}: {response.status} {await response.text()}")
-        return await response.json()
-
-
-async def until(session: aiohttp.ClientSession, gateway: str, predicate, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = await call(session, "GET", f"{gateway}/state")
-        if predicate(state):
-            return state
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting; instances {state['instances']}")
-        await asyncio.sleep(0.5)
-
-
-async def serve_on(gateway: str, model: str, node: str, layers: int) -> str:
-    shards = [{"node_id": node, "start_layer": 0, "end_layer": layers}]
-    async with aiohttp.ClientSession() as session:
-        reply = await call(session, "POST", f"{gateway}/instances", {"model": model, "shards": shards})
-        iid = reply["instance_id"]
-        await until(session, gateway, lambda s: s["instances"].get(iid, {}).get("status") == "ready", 600)
-    return iid
-
-
-async def delete(gateway: str, instance_id: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        await call(session, "DELETE", f"{gateway}/instances/{instance_id}")
-        await until(session, gateway, lambda s: instance_id not in s["instances"], 120)
 
 
 async def ttft(gateway: str, nats_url: str, model: str, question: str) -> dict:
@@ -164,9 +133,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
 
-    from fleet_local import stack
     from fleet_local.bootstrap import DEFAULT_SOURCE
-    from fleet_local.processes import free_port, spawn, stop_pid
     from fleet_store import ObjectStore, load_manifest
     from fleet_store.kv import block_hashes, manifest_fingerprint
 
@@ -178,26 +145,12 @@ def main() -> int:
 
         model, layers = "tiny/llama-long", 2
         source = f"file://{make_chat_model(state_dir / 'tiny-src', max_positions=8192)}"
-    os.environ |= {"FLEET_NODE_ID": "w1", "FLEET_NODE_ENGINES": "mlx"}
-    manifest = stack.up(state_dir, gateway_port=free_port())
-    servers = {p.name: p.url for p in manifest.processes}
-    worker_env = {
-        **os.environ,
-        "FLEET_NATS_URL": manifest.nats_url,
-        "FLEET_S3_ENDPOINT": servers["s3"],
-        "FLEET_REDIS_URL": servers["redis"],
-        "FLEET_STATE_DIR": str(state_dir / "w2"),
-        "FLEET_HEALTH_PORT": "0",
-        "FLEET_NODE_ID": "w2",
-    }
-    w2 = spawn([sys.executable, "-m", "fleet_worker"], state_dir / "logs" / "w2.log", worker_env)
-    gateway = manifest.gateway_url
-    try:
+    with two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, {}) as manifest:
+        gateway = manifest.gateway_url
+        s3_url = next(p.url for p in manifest.processes if p.name == "s3")
 
         async def run() -> dict:
-            async with aiohttp.ClientSession() as session:
-                await call(session, "POST", f"{gateway}/models", {"model": model, "source": source})
-                await until(session, gateway, lambda s: model in s["models"] and len(s["nodes"]) == 2, 900)
+            await stage(gateway, model, source)
             on_w1 = await serve_on(gateway, model, "w1", layers)
             cold = await ttft(gateway, manifest.nats_url, model, "What is rule 3?")
             memory = await ttft(gateway, manifest.nats_url, model, "What is rule 9?")
@@ -208,7 +161,7 @@ def main() -> int:
 
         print(f"staging {model} and serving it on w1 (SmolLM2: a cold 2,000-token MLX prefill takes minutes)")
         result = asyncio.run(run())
-        store = ObjectStore(servers["s3"])
+        store = ObjectStore(s3_url)
         fingerprint = manifest_fingerprint(load_manifest(store, "fleet-models", model, "main"))
         store.close()
         sys.path.insert(0, str(REPO))
@@ -225,16 +178,12 @@ def main() -> int:
             )
             if h == other
         ]
-        result["fetch"] = fetch_rates(servers["s3"], fingerprint, shared, args.repeats)
-    finally:
-        stop_pid(w2.pid)
-        stack.down(state_dir)
+        result["fetch"] = fetch_rates(s3_url, fingerprint, shared, args.repeats)
     cold = result["cold"]["ttft_s"]
     result |= {
         "model": model,
         "ratio_object_storage_over_cold": result["warm_object_storage"]["ttft_s"] / cold,
         "ratio_memory_over_cold": result["warm_memory"]["ttft_s"] / cold,
-        "at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(f"\n{model}: TTFT of a {result['cold']['prompt_tokens']}-token prompt")
     for name in ("cold", "warm_object_storage", "warm_memory"):
@@ -247,10 +196,7 @@ def main() -> int:
         f"  tier-2 fetch {f['worker_fetch_mb_s']:.0f} MB/s vs raw get {f['raw_get_mb_s']:.0f} MB/s "
         f"({f['blocks']} blocks, {f['bytes'] / 1e6:.1f} MB): ratio {f['ratio_worker_over_raw']:.2f}"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kv_tiers-{'tiny' if args.tiny else 'smollm2'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {path}")
+    write_result(args.out, f"kv_tiers-{'tiny' if args.tiny else 'smollm2'}", result)
     return 0
 
 
