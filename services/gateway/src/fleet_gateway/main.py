@@ -1,7 +1,8 @@
 """Gateway service: the HTTP APIs on FLEET_GATEWAY_HOST:FLEET_GATEWAY_PORT.
 
 /health, /state, /events, /kv; admin: /models, /instances; OpenAI: /v1/chat/completions,
-/v1/completions, /v1/responses, /v1/models; Anthropic: /v1/messages; Ollama: /api/* and /ollama/api/*.
+/v1/completions, /v1/responses, /v1/models; Anthropic: /v1/messages; Ollama: /api/* and /ollama/api/*;
+the dashboard at / (its assets under /ui/, node series at /dashboard/series).
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from fleet_gateway.admin import admin_routes
 from fleet_gateway.anthropic_routes import anthropic_routes
 from fleet_gateway.app import state_routes
+from fleet_gateway.dashboard_routes import dashboard_routes
 from fleet_gateway.errors import error_middleware
 from fleet_gateway.generation import Generator, NodeLiveness
 from fleet_gateway.kv_routes import kv_routes
@@ -52,6 +55,8 @@ async def main(ctx: ServiceContext) -> None:
     document = openapi_document()
     app.router.add_get("/openapi.json", lambda _: web.json_response(document))
     kv_index = KVIndex.from_url(ctx.settings.redis_url)
+    series_redis = aioredis.from_url(ctx.settings.redis_url)
+    app.add_routes(dashboard_routes(ctx.follower, series_redis))
     app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(
         app, ctx.settings.gateway_host, ctx.settings.gateway_port, cancel_on_disconnect=True
@@ -61,6 +66,7 @@ async def main(ctx: ServiceContext) -> None:
         await runner.cleanup()
         await metrics_sub.unsubscribe()
         await kv_index.close()
+        await series_redis.aclose()
         store.close()
 
     ctx.on_shutdown(close)

@@ -11,13 +11,14 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from nats.aio.msg import Msg
 
-from fleet_metrics import series
-from fleet_metrics.api import BadQuery, nodes_view, parse_series_query
+from fleet_metrics.api import nodes_view
 from fleet_metrics.registry import CONTENT_TYPE, FleetMetrics
 from fleet_proto import NodeMetrics, ServiceKind
 from fleet_proto.messages import RequestStats
 from fleet_runtime.service import ServiceContext, run
 from fleet_runtime.settings import load_settings
+from fleet_store import series
+from fleet_store.series import BadQuery, parse_series_query
 
 log = logging.getLogger("fleet_metrics")
 

@@ -1,4 +1,5 @@
-"""Bounded recent time series of node metrics in Redis: one list per node and metric.
+"""Bounded recent time series of node metrics in Redis: one list per node and metric (written by the
+metrics-collector, read by it and by the gateway's dashboard).
 
 Each list holds "<ts> <value>" entries, oldest first, trimmed to the last `MAX_POINTS` and expiring
 `TTL_S` after the last write, so a node that is gone stops costing memory. Keys and encoding are pure
@@ -7,8 +8,9 @@ helpers; `record` and `read` are the only I/O.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
 
@@ -18,6 +20,7 @@ KEY_PREFIX = "fleet:series"
 MAX_POINTS = 3600  # 1 h at 1 Hz
 TTL_S = 2 * 3600
 MAX_WINDOW_S = 24 * 3600.0
+DEFAULT_WINDOW_S = 300.0
 
 # metric name -> how to read it from a NodeMetrics sample
 METRICS: dict[str, Callable[[NodeMetrics], float]] = {
@@ -83,3 +86,24 @@ async def read(
     raw = await redis.lrange(series_key(node_id, metric), 0, -1)
     points = [p for p in map(decode_point, raw) if p is not None]
     return in_window(points, window_s, time.time() if now is None else now)
+
+
+class BadQuery(ValueError):
+    pass
+
+
+def parse_series_query(query: Mapping[str, str]) -> tuple[str, float]:
+    """(metric, window_s) from `?metric=...&window=...`; BadQuery says what is wrong."""
+    metric = query.get("metric", "")
+    if metric not in METRICS:
+        raise BadQuery(f"unknown metric {metric!r}; one of: {', '.join(sorted(METRICS))}")
+    raw = query.get("window")
+    if raw is None:
+        return metric, DEFAULT_WINDOW_S
+    try:
+        window = float(raw)
+    except ValueError:
+        raise BadQuery(f"bad window {raw!r}: seconds expected") from None
+    if not math.isfinite(window) or window <= 0 or window > MAX_WINDOW_S:
+        raise BadQuery(f"bad window {raw!r}: must be in (0, {MAX_WINDOW_S:g}] seconds")
+    return metric, window

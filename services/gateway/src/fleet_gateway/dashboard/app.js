@@ -1,0 +1,547 @@
+// Fleet dashboard: plain ES module, no build step, no external assets.
+const GIB = 1024 ** 3;
+const SVG_NS = "http://www.w3.org/2000/svg";
+const EVENT_NAMES = ("node_joined node_left node_updated instance_placed instance_loading instance_ready instance_failed "
+  + "instance_deleted instance_draining download_progress download_finished download_failed model_staged").split(" ");
+
+const state = {
+  data: { nodes: {}, instances: {}, downloads: {}, models: {} },
+  lastJson: "",
+  refreshTimer: null,
+  modelUi: {}, // per model: {busy, error, placements, placementError}
+  nodeCards: new Map(),
+  modelCards: new Map(),
+  metricNames: [],
+  chat: { messages: [], busy: false, abort: null },
+};
+let currentView = "topology";
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key === "className") node.className = value;
+    else node.setAttribute(key, value === true ? "" : String(value));
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function svg(tag, attrs = {}, text) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, String(value));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+const gib = (bytes) => `${((bytes || 0) / GIB).toFixed(1)} GiB`;
+
+function errorMessage(body, status) {
+  return body?.error?.message || body?.detail || `request failed (HTTP ${status})`;
+}
+
+async function readJSON(res) {
+  try { return await res.json(); } catch { return null; }
+}
+
+async function requestJSON(method, url, body) {
+  const init = body === undefined ? { method }
+    : { method, headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
+  const res = await fetch(url, init);
+  const data = await readJSON(res);
+  if (!res.ok) throw new Error(errorMessage(data, res.status));
+  return data;
+}
+
+// Cards are kept per id and refilled in place, so references to them (and their buttons) survive refreshes.
+function keyedCard(cache, id, create) {
+  if (!cache.has(id)) cache.set(id, create(id));
+  return cache.get(id);
+}
+
+function pruneCards(cache, ids) {
+  for (const id of [...cache.keys()]) if (!ids.includes(id)) cache.delete(id);
+}
+
+// Re-inserting unchanged children would blur a focused button, so only touch the container when they differ.
+function setChildren(container, nodes) {
+  const current = [...container.childNodes];
+  if (current.length === nodes.length && current.every((n, i) => n === nodes[i])) return;
+  container.replaceChildren(...nodes);
+}
+
+function facts(pairs) {
+  return el("dl", { className: "facts" }, pairs.filter((p) => p).map(([k, v]) => [el("dt", {}, k), el("dd", {}, v ?? "—")]));
+}
+
+// ---------- views ----------
+function showView(name) {
+  currentView = name;
+  for (const view of ["topology", "models", "metrics", "chat"]) {
+    $(`view-${view}`).hidden = view !== name;
+    const button = $(`nav-${view}`);
+    if (view === name) button.setAttribute("aria-current", "page");
+    else button.removeAttribute("aria-current");
+  }
+  if (name === "metrics") loadMetricNames().then(refreshMetrics);
+  if (name === "chat") refreshChatModels();
+}
+
+// ---------- state & events ----------
+
+async function refreshState() {
+  let data;
+  try { data = await requestJSON("GET", "/state"); } catch { return; }
+  const json = JSON.stringify(data);
+  // Skip re-rendering identical state so open elements (focus, selections) are not replaced.
+  if (json === state.lastJson) return;
+  state.lastJson = json;
+  state.data = {};
+  for (const key of ["nodes", "instances", "downloads", "models"]) state.data[key] = data?.[key] || {};
+  renderAll();
+  refreshChatModels();
+}
+
+function scheduleRefresh() {
+  if (state.refreshTimer) return;
+  state.refreshTimer = setTimeout(() => { state.refreshTimer = null; refreshState(); }, 300);
+}
+
+function setStatus(live) {
+  const status = $("status");
+  status.textContent = live ? "live" : "reconnecting…";
+  status.dataset.live = String(live);
+}
+
+function connectEvents() {
+  const source = new EventSource("/events");
+  const onEvent = () => { setStatus(true); scheduleRefresh(); };
+  source.onopen = () => { setStatus(true); scheduleRefresh(); };
+  source.onmessage = onEvent;
+  for (const name of EVENT_NAMES) source.addEventListener(name, onEvent);
+  source.onerror = () => {
+    setStatus(false);
+    // EventSource gives up for good on HTTP errors; reopen it ourselves in that case.
+    if (source.readyState === EventSource.CLOSED) setTimeout(connectEvents, 3000);
+  };
+}
+
+function renderAll() {
+  const instances = Object.values(state.data.instances);
+  $("node-count").textContent = Object.keys(state.data.nodes).length;
+  $("ready-count").textContent = instances.filter((i) => i.status === "ready").length;
+  renderTopology();
+  renderModels();
+  fillSelect($("metrics-node"), Object.keys(state.data.nodes));
+}
+
+// ---------- topology ----------
+function deviceKind(node) {
+  const kind = String(node.kind || "").toLowerCase();
+  const chip = String(node.chip || "");
+  if (chip.includes("Spark")) return { key: "spark", label: "DGX Spark" };
+  if (kind === "apple" || node.system === "Darwin") return { key: "apple", label: "Apple Mac" };
+  if (kind === "nvidia") return { key: "nvidia", label: "NVIDIA GPU" };
+  return { key: "cpu", label: kind && kind !== "cpu" ? kind : "Linux / CPU" };
+}
+
+function deviceIcon(kind) {
+  const icon = svg("svg", { viewBox: "0 0 48 32", class: `icon icon-${kind.key}`, role: "img", "aria-label": kind.label });
+  const shapes = {
+    apple: [["rect", { x: 8, y: 3, width: 32, height: 21, rx: 2 }], ["rect", { x: 3, y: 25, width: 42, height: 4, rx: 2 }]],
+    gpu: [["rect", { x: 3, y: 6, width: 42, height: 20, rx: 2 }], ["circle", { cx: 16, cy: 16, r: 6 }], ["circle", { cx: 32, cy: 16, r: 6 }]],
+    cpu: [["rect", { x: 6, y: 3, width: 36, height: 11, rx: 2 }], ["rect", { x: 6, y: 18, width: 36, height: 11, rx: 2 }]],
+  };
+  const key = kind.key === "apple" ? "apple" : kind.key === "cpu" ? "cpu" : "gpu";
+  icon.append(...shapes[key].map(([tag, attrs]) => svg(tag, attrs)));
+  return icon;
+}
+
+function memoryBar(node) {
+  const total = node.memory_total_bytes || 0;
+  const free = node.memory_available_bytes || 0;
+  const used = total > 0 ? Math.min(1, Math.max(0, (total - free) / total)) : 0;
+  const fill = el("div", { className: "memory-fill" });
+  fill.style.width = `${(used * 100).toFixed(1)}%`;
+  return el("div", { className: "memory" },
+    el("div", { className: "memory-bar", role: "meter", "aria-valuemin": 0, "aria-valuemax": 100,
+      "aria-valuenow": Math.round(used * 100), "aria-label": "memory used" }, fill),
+    el("p", { className: "memory-text" }, `${gib(free)} free of ${gib(total)}`));
+}
+
+function instanceItem(inst, withDelete) {
+  let status = inst.status || "unknown";
+  if (status === "loading" && typeof inst.progress === "number") status += ` ${Math.round(inst.progress * 100)}%`;
+  const item = el("li", { className: "instance", "data-instance-id": inst.instance_id,
+    "data-status": inst.status || "", "data-model-id": inst.model_id || "" },
+  el("span", { className: "instance-model" }, inst.model_id),
+  el("span", { className: "instance-meta" }, `${inst.engine || "?"} · ${inst.role || "both"}`),
+  el("span", { className: `badge status-${inst.status}` }, status));
+  if (inst.reason) item.append(el("span", { className: "instance-reason" }, inst.reason));
+  if (withDelete) item.append(deleteButton(inst.instance_id));
+  return item;
+}
+
+function createNodeCard(id) {
+  return el("article", { className: "node panel", "data-node-id": id });
+}
+
+function fillNodeCard(card, node, instances) {
+  const kind = deviceKind(node);
+  const engines = (node.engines || []).map((e) => `${e.name} ${e.version || ""}`.trim()).join(", ");
+  const gpus = (node.gpus || []).map((g) => `${g.name} (${gib(g.memory_bytes)})`).join(", ");
+  card.className = `node panel kind-${kind.key}`;
+  card.replaceChildren(
+    el("header", { className: "node-head" }, deviceIcon(kind),
+      el("div", {}, el("h3", { className: "node-id" }, node.node_id),
+        el("p", { className: "muted" }, `${kind.label} · ${node.hostname || ""}`))),
+    facts([["Chip", node.chip || node.machine], ["CPUs", node.cpu_count], gpus && ["GPUs", gpus],
+      ["Engines", engines || null]]),
+    memoryBar(node),
+    el("h4", {}, "Instances"),
+    instances.length ? el("ul", { className: "instances" }, instances.map((i) => instanceItem(i, false)))
+      : el("p", { className: "muted" }, "none"));
+}
+
+function renderTopology() {
+  const nodes = Object.values(state.data.nodes);
+  const instances = Object.values(state.data.instances);
+  const container = $("topology-nodes");
+  const cards = nodes.map((node) => {
+    const card = keyedCard(state.nodeCards, node.node_id, createNodeCard);
+    fillNodeCard(card, node, instances.filter((i) => i.node_id === node.node_id));
+    return card;
+  });
+  pruneCards(state.nodeCards, nodes.map((n) => n.node_id));
+  // A connector between neighbouring cards stands in for the cluster links.
+  const row = cards.flatMap((card, index) => (index ? [el("div", { className: "link", "aria-hidden": "true" }), card] : [card]));
+  setChildren(container, row.length ? row : [el("p", { className: "muted" }, "No nodes have joined yet.")]);
+  const others = instances.filter((i) => !state.data.nodes[i.node_id]);
+  $("topology-other").hidden = others.length === 0;
+  $("topology-other-list").replaceChildren(...others.map((i) => instanceItem(i, false)));
+}
+
+// ---------- models ----------
+function modelUi(modelId) {
+  state.modelUi[modelId] ??= { busy: {}, error: "", placements: null, placementError: "" };
+  return state.modelUi[modelId];
+}
+
+async function withBusy(modelId, key, action) {
+  const ui = modelUi(modelId);
+  ui.busy[key] = true;
+  renderModels();
+  try { await action(ui); } finally { ui.busy[key] = false; renderModels(); }
+}
+
+function deleteButton(instanceId) {
+  const button = el("button", { type: "button", className: "delete-instance" }, "Delete");
+  button.addEventListener("click", async () => {
+    button.disabled = true;
+    await requestJSON("DELETE", `/instances/${encodeURIComponent(instanceId)}`).catch((err) => { button.title = err.message; });
+    button.disabled = false;
+    await refreshState();
+  });
+  return button;
+}
+
+function previewPlacements(modelId) {
+  return withBusy(modelId, "preview", async (ui) => {
+    const data = await requestJSON("GET", `/placements?model=${encodeURIComponent(modelId)}`)
+      .catch((err) => ({ error: err.message }));
+    ui.placements = data?.error ? null : data?.options || [];
+    ui.placementError = data?.error || "";
+  });
+}
+
+function createInstance(modelId) {
+  return withBusy(modelId, "create", async (ui) => {
+    ui.error = "";
+    await requestJSON("POST", "/instances", { model: modelId }).catch((err) => { ui.error = err.message; });
+    await refreshState();
+  });
+}
+
+function downloadBlock(download) {
+  const total = download.total_bytes || 0;
+  const done = download.done_bytes || 0;
+  let text = `${download.phase}: ${gib(done)} of ${gib(total)}`;
+  if (download.bytes_per_s) text += ` · ${(download.bytes_per_s / 1024 ** 2).toFixed(1)} MiB/s`;
+  if (download.eta_s) text += ` · ETA ${Math.round(download.eta_s)} s`;
+  if (download.reason) text += ` · ${download.reason}`;
+  return el("div", { className: "download-progress", "data-phase": download.phase },
+    el("progress", { max: total || 1, value: total ? done : 0, "aria-label": `download of ${download.model_id}` }),
+    el("span", { className: "download-text" }, text));
+}
+
+function placementRow(option) {
+  const shards = (option.shards || []).map((s) => `${s.node_id} [${s.start_layer}–${s.end_layer})`).join(", ");
+  const needed = Object.entries(option.memory_needed || {}).map(([node, bytes]) => `${node}: ${gib(bytes)}`).join(", ");
+  const freeAfter = Object.entries(option.free_after || {}).map(([node, bytes]) => `${node}: ${gib(bytes)}`).join(", ");
+  return el("li", { className: `placement ${option.feasible ? "feasible" : "infeasible"}`, "data-feasible": String(!!option.feasible) },
+    el("strong", {}, option.engine),
+    el("span", {}, shards || "no shards"),
+    el("span", { className: "placement-verdict" }, option.feasible ? "feasible" : `not feasible: ${option.reason || "unknown"}`),
+    el("span", {}, `needs ${needed || "—"}`),
+    el("span", {}, `free after ${freeAfter || "—"}`),
+    typeof option.score === "number" ? el("span", { className: "muted" }, `score ${option.score.toFixed(2)}`) : null);
+}
+
+function placementsBlock(ui) {
+  if (ui.placementError) return el("p", { className: "model-error placement-error", role: "alert" }, ui.placementError);
+  if (!ui.placements) return null;
+  if (!ui.placements.length) return el("p", { className: "muted" }, "No placement options.");
+  return el("ul", { className: "placements" }, ui.placements.map(placementRow));
+}
+
+function createModelCard(id) {
+  const preview = el("button", { type: "button", className: "preview-placements" }, "Preview placements");
+  const create = el("button", { type: "button", className: "create-instance" }, "Create instance");
+  preview.addEventListener("click", () => previewPlacements(id));
+  create.addEventListener("click", () => createInstance(id));
+  return el("article", { className: "model-card panel", "data-model-id": id },
+    el("h3", { className: "model-id" }, id), el("div", { className: "model-body" }),
+    el("div", { className: "actions" }, preview, create), el("div", { className: "model-extra" }));
+}
+
+function fillModelCard(card, model, instances, download) {
+  const ui = modelUi(model.model_id);
+  const quant = [model.dtype, model.quantization].filter(Boolean).join(" / ");
+  card.querySelector(".preview-placements").disabled = !!ui.busy.preview;
+  card.querySelector(".create-instance").disabled = !!ui.busy.create;
+  card.querySelector(".model-body").replaceChildren(...[
+    facts([["Architecture", model.architecture], ["Type", quant || null], ["Size", gib(model.storage_bytes)],
+      ["Layers", model.num_layers], ["Engines", (model.supported_engines || []).join(", ") || null]]),
+    download ? downloadBlock(download) : null,
+    instances.length ? el("ul", { className: "instances" }, instances.map((i) => instanceItem(i, true))) : null,
+  ].filter(Boolean));
+  card.querySelector(".model-extra").replaceChildren(...[
+    ui.error ? el("p", { className: "model-error", role: "alert" }, ui.error) : null,
+    placementsBlock(ui),
+  ].filter(Boolean));
+}
+
+function renderModels() {
+  const models = Object.values(state.data.models);
+  const instances = Object.values(state.data.instances);
+  const downloads = state.data.downloads;
+  const cards = models.map((m) => {
+    const card = keyedCard(state.modelCards, m.model_id, createModelCard);
+    fillModelCard(card, m, instances.filter((i) => i.model_id === m.model_id), downloads[m.model_id]);
+    return card;
+  });
+  pruneCards(state.modelCards, models.map((m) => m.model_id));
+  setChildren($("model-list"), cards.length ? cards : [el("p", { className: "muted" }, "No models staged.")]);
+}
+
+// ---------- metrics ----------
+function fillSelect(select, values, labels = values) {
+  const previous = select.value;
+  if ([...select.options].map((o) => o.value).join("\n") === values.join("\n")) return;
+  select.replaceChildren(...values.map((v, i) => el("option", { value: v }, labels[i])));
+  if (values.includes(previous)) select.value = previous;
+}
+
+async function loadMetricNames() {
+  if (state.metricNames.length) return;
+  const data = await requestJSON("GET", "/dashboard/metrics").catch(() => null); // retried on the next refresh
+  state.metricNames = data?.metrics || [];
+  fillSelect($("metrics-metric"), state.metricNames);
+}
+
+function formatMetric(metric, value) {
+  if (metric.includes("bytes")) return gib(value);
+  return Math.abs(value) >= 100 ? value.toFixed(0) : value.toFixed(2);
+}
+
+async function refreshMetrics() {
+  if (currentView !== "metrics") return;
+  await loadMetricNames();
+  const node = $("metrics-node").value;
+  const metric = $("metrics-metric").value;
+  if (!node || !metric) { drawPlot([], metric || ""); return; }
+  const query = new URLSearchParams({ node, metric, window: $("metrics-window").value });
+  const points = await requestJSON("GET", `/dashboard/series?${query}`).catch(() => []);
+  if (currentView === "metrics") drawPlot(Array.isArray(points) ? points.slice(-600) : [], metric, node);
+}
+
+function drawPlot(points, metric, node = "") {
+  const plot = $("metrics-plot");
+  const [width, height, left, right, top, bottom] = [720, 280, 80, 12, 14, 30];
+  plot.dataset.points = String(points.length);
+  plot.setAttribute("aria-label", points.length ? `${metric} on ${node}, ${points.length} points` : "no data yet");
+  plot.replaceChildren(svg("line", { x1: left, y1: top, x2: left, y2: height - bottom, class: "axis" }),
+    svg("line", { x1: left, y1: height - bottom, x2: width - right, y2: height - bottom, class: "axis" }));
+  if (!points.length) {
+    plot.append(svg("text", { x: width / 2, y: height / 2, class: "empty", "text-anchor": "middle" }, "no data yet"));
+    return;
+  }
+  const ts = points.map((p) => p[0]);
+  const vs = points.map((p) => p[1]);
+  const [t0, t1] = [Math.min(...ts), Math.max(...ts)];
+  let [v0, v1] = [Math.min(...vs), Math.max(...vs)];
+  if (v0 === v1) { v0 -= 1; v1 += 1; }
+  const x = (t) => left + (t1 === t0 ? 0.5 : (t - t0) / (t1 - t0)) * (width - left - right);
+  const y = (v) => height - bottom - ((v - v0) / (v1 - v0)) * (height - top - bottom);
+  const clock = (t) => new Date(t * 1000).toLocaleTimeString();
+  plot.append(
+    svg("text", { x: left - 6, y: top + 10, class: "label", "text-anchor": "end" }, formatMetric(metric, v1)),
+    svg("text", { x: left - 6, y: height - bottom, class: "label", "text-anchor": "end" }, formatMetric(metric, v0)),
+    svg("text", { x: left, y: height - 8, class: "label" }, clock(t0)),
+    svg("text", { x: width - right, y: height - 8, class: "label", "text-anchor": "end" }, clock(t1)),
+    svg("polyline", { class: "series", points: points.map((p) => `${x(p[0]).toFixed(1)},${y(p[1]).toFixed(1)}`).join(" ") }));
+  plot.append(...points.map(([t, v]) => svg("circle", { class: "point", cx: x(t).toFixed(1), cy: y(v).toFixed(1), r: 2 })));
+}
+
+// ---------- chat ----------
+async function refreshChatModels() {
+  const data = await requestJSON("GET", "/v1/models").catch(() => null);
+  if (data) fillSelect($("chat-model"), (data.data || []).map((m) => m.id));
+}
+
+function appendTurn(text) {
+  const log = $("chat-log");
+  const reasoning = el("details", { className: "reasoning", hidden: true },
+    el("summary", {}, "Reasoning"), el("div", { className: "reasoning-text" }));
+  const assistant = el("div", { className: "message assistant", "data-done": "false" },
+    reasoning, el("div", { className: "answer" }));
+  log.append(el("div", { className: "message user" }, text), assistant);
+  log.scrollTop = log.scrollHeight;
+  return assistant;
+}
+
+function chatStatsText(stats) {
+  const now = performance.now();
+  if (stats.firstAt === null && stats.endAt === null) return `prefilling… ${((now - stats.start) / 1000).toFixed(1)} s`;
+  const first = stats.firstAt ?? stats.endAt;
+  const ttft = (first - stats.start) / 1000;
+  const decode = ((stats.endAt ?? now) - first) / 1000;
+  const tokens = stats.usage?.completion_tokens ?? stats.deltas;
+  const rate = decode > 0 ? (tokens / decode).toFixed(1) : "—";
+  const prompt = stats.usage?.prompt_tokens ?? "—";
+  return `TTFT ${ttft.toFixed(2)} s · ${rate} tok/s · ${tokens} tokens · prompt ${prompt} tokens`;
+}
+
+function applyChunk(chunk, assistant, stats) {
+  if (chunk.error) throw new Error(chunk.error.message || "stream error");
+  if (chunk.usage) stats.usage = chunk.usage;
+  const delta = chunk.choices?.[0]?.delta || {};
+  if (delta.reasoning_content) {
+    const details = assistant.querySelector(".reasoning");
+    details.hidden = false;
+    details.querySelector(".reasoning-text").append(delta.reasoning_content);
+  }
+  if (delta.content) assistant.querySelector(".answer").append(delta.content);
+  if (delta.content || delta.reasoning_content) {
+    stats.firstAt ??= performance.now();
+    stats.deltas += 1;
+  }
+}
+
+// Returns true once [DONE] is seen.
+function handleSseEvent(block, assistant, stats) {
+  for (const line of block.split(/\r?\n/)) {
+    if (!line.startsWith("data:")) continue;
+    const payload = line.slice(5).trim();
+    if (payload === "[DONE]") return true;
+    if (payload) applyChunk(JSON.parse(payload), assistant, stats);
+  }
+  return false;
+}
+
+async function streamReply(model, messages, assistant, stats, signal) {
+  const res = await fetch("/v1/chat/completions", {
+    method: "POST", signal, headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ model, messages, stream: true,
+      stream_options: { include_usage: true }, max_tokens: 256 }),
+  });
+  if (!res.ok) throw new Error(errorMessage(await readJSON(res), res.status));
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    buffer += decoder.decode(value || new Uint8Array(), { stream: !done });
+    const blocks = buffer.split(/\r?\n\r?\n/);
+    buffer = done ? "" : blocks.pop();
+    for (const block of blocks) if (handleSseEvent(block, assistant, stats)) return;
+    if (done) return;
+  }
+}
+
+function showChatError(assistant, message) {
+  assistant.classList.add("error");
+  assistant.append(el("p", { className: "error-text", role: "alert" }, message));
+}
+
+async function sendChat() {
+  const input = $("chat-input");
+  const text = input.value.trim();
+  const model = $("chat-model").value;
+  if (state.chat.busy || !text) return;
+  const assistant = appendTurn(text);
+  if (!model) {
+    showChatError(assistant, "No ready model to chat with.");
+    assistant.dataset.done = "true";
+    return;
+  }
+  input.value = "";
+  const messages = state.chat.messages; // a Clear during the stream starts a new array; leave it alone
+  messages.push({ role: "user", content: text });
+  state.chat.busy = true;
+  state.chat.abort = new AbortController();
+  $("chat-send").disabled = true;
+  const stats = { start: performance.now(), firstAt: null, endAt: null, deltas: 0, usage: null };
+  const showStats = () => { $("chat-stats").textContent = chatStatsText(stats); };
+  showStats();
+  const ticker = setInterval(showStats, 200);
+  try {
+    await streamReply(model, messages, assistant, stats, state.chat.abort.signal);
+    messages.push({ role: "assistant", content: assistant.querySelector(".answer").textContent });
+  } catch (err) {
+    messages.pop(); // drop the unanswered user turn so the history stays well-formed
+    showChatError(assistant, err.name === "AbortError" ? "cancelled" : err.message);
+  } finally {
+    stats.endAt = performance.now();
+    clearInterval(ticker);
+    $("chat-stats").textContent = chatStatsText(stats);
+    assistant.dataset.done = "true";
+    state.chat.busy = false;
+    $("chat-send").disabled = false;
+  }
+}
+
+function clearChat() {
+  state.chat.abort?.abort();
+  state.chat.messages = [];
+  $("chat-log").replaceChildren();
+  $("chat-stats").textContent = "";
+}
+
+// ---------- wiring ----------
+function wireUi() {
+  for (const b of document.querySelectorAll(".nav button")) b.addEventListener("click", () => showView(b.dataset.view));
+  for (const id of ["metrics-node", "metrics-metric", "metrics-window"]) $(id).addEventListener("change", refreshMetrics);
+  $("metrics-controls").addEventListener("submit", (e) => e.preventDefault());
+  $("chat-form").addEventListener("submit", (e) => { e.preventDefault(); sendChat(); });
+  $("chat-input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); sendChat(); }
+  });
+  $("chat-clear").addEventListener("click", clearChat);
+}
+
+function start() {
+  wireUi();
+  showView("topology");
+  refreshState();
+  connectEvents();
+  setInterval(refreshState, 5000);
+  setInterval(refreshMetrics, 2000);
+}
+
+start();

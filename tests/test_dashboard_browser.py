@@ -1,0 +1,131 @@
+"""The dashboard in headless Chromium (Debian's chromium + chromedriver, driven by Selenium) against
+the real embedded stack: the topology shows the worker node, creating an instance from the models
+view makes it ready, a chat message streams an answer, the metrics plot has points. A screenshot of
+each view is saved under test-artifacts/dashboard/."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from fleet_local import stack
+from tests.support import REPO, call, embedded_stack, make_chat_model, until_state
+
+MODEL = "tiny/dashboard"
+ARTIFACTS = REPO / "test-artifacts" / "dashboard"
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
+    """A stack with the model staged but no instance of it (the models view creates one)."""
+    model_dir = make_chat_model(tmp_path_factory.mktemp("dashboard-model"))
+    with embedded_stack(tmp_path_factory.mktemp("fleet-dashboard")) as manifest:
+        asyncio.run(stage(manifest.gateway_url, model_dir))
+        yield manifest
+
+
+async def stage(gateway: str, folder: Path) -> None:
+    async with aiohttp.ClientSession() as session:
+        await call(session, "POST", f"{gateway}/models", {"model": MODEL, "source": f"file://{folder}"})
+        await until_state(session, gateway, lambda s: MODEL in s["models"] and s["nodes"], 120)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path = shutil.which("chromedriver")
+    if driver_path is None:
+        pytest.fail("chromedriver is missing: `make test` installs Debian's chromium and chromium-driver")
+    options = webdriver.ChromeOptions()
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1366,768"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def wait(browser, condition, timeout_s: float = WAIT_S):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, timeout_s, poll_frequency=0.2).until(condition)
+
+
+def css(browser, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return browser.find_elements(By.CSS_SELECTOR, selector)
+
+
+def show(browser, view: str) -> None:
+    css(browser, f"#nav-{view}")[0].click()
+    wait(browser, lambda b: css(b, f"#view-{view}")[0].is_displayed(), 10)
+
+
+def screenshot(browser, view: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / f"{view}.png"))
+
+
+def test_the_topology_shows_the_worker_node(gateway, browser) -> None:
+    browser.get(gateway.gateway_url + "/")
+    assert browser.title and "Fleet" in browser.title
+    node = wait(browser, lambda b: css(b, ".node[data-node-id]"))[0]
+    assert node.get_attribute("data-node-id") and node.get_attribute("data-node-id") in node.text
+    assert css(browser, ".node .memory-bar")
+    wait(browser, lambda b: "live" in css(b, "#status")[0].text, 30)
+    screenshot(browser, "topology")
+
+
+def test_an_instance_created_from_the_models_view_becomes_ready(gateway, browser) -> None:
+    show(browser, "models")
+    card = wait(browser, lambda b: css(b, f'.model-card[data-model-id="{MODEL}"]'))[0]
+    card.find_element("css selector", ".preview-placements").click()
+    wait(browser, lambda b: css(b, f'.model-card[data-model-id="{MODEL}"] .placement'), 30)
+    card.find_element("css selector", ".create-instance").click()
+    ready = f'.model-card[data-model-id="{MODEL}"] .instance[data-status="ready"]'
+    wait(browser, lambda b: css(b, ready))  # live: the events stream updates the view
+    screenshot(browser, "models")
+    show(browser, "topology")
+    wait(browser, lambda b: css(b, f'.node .instance[data-model-id="{MODEL}"][data-status="ready"]'), 30)
+
+
+def test_a_chat_message_streams_an_answer(gateway, browser) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    show(browser, "chat")
+    wait(browser, lambda b: MODEL in [o.get_attribute("value") for o in css(b, "#chat-model option")], 30)
+    Select(css(browser, "#chat-model")[0]).select_by_value(MODEL)
+    css(browser, "#chat-input")[0].send_keys("Say hello")
+    css(browser, "#chat-send")[0].click()
+    reply = wait(browser, lambda b: css(b, '.message.assistant[data-done="true"]'), 60)[0]
+    assert "error" not in (reply.get_attribute("class") or "")
+    answer = reply.find_element("css selector", ".answer").text
+    reasoning = reply.find_element("css selector", ".reasoning-text").get_attribute("textContent")
+    assert (answer + reasoning).strip()  # a random model says something
+    assert "tok/s" in css(browser, "#chat-stats")[0].text or "tokens/s" in css(browser, "#chat-stats")[0].text
+    screenshot(browser, "chat")
+
+
+def test_the_metrics_plot_has_points(gateway, browser) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    show(browser, "metrics")
+    wait(browser, lambda b: len(css(b, "#metrics-metric option")) > 1, 30)
+    Select(css(browser, "#metrics-metric")[0]).select_by_value("memory_used_bytes")
+    plot = wait(
+        browser,
+        lambda b: [p for p in css(b, "#metrics-plot") if int(p.get_attribute("data-points") or 0) > 1],
+        60,
+    )
+    assert css(browser, "#metrics-plot circle.point")
+    screenshot(browser, "metrics")
+    assert plot
