@@ -1,6 +1,7 @@
 """The dashboard in headless Chromium (Debian's chromium + chromedriver, driven by Selenium) against
 the real embedded stack: the topology shows the worker node, creating an instance from the models
-view makes it ready, a chat message streams an answer, the metrics plot has points. A screenshot of
+view makes it ready, a chat message streams an answer, the metrics plot has points (node memory, and
+the chat's time to first token). A screenshot of
 each view is saved under test-artifacts/dashboard/."""
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def test_the_topology_shows_the_worker_node(gateway, browser) -> None:
     node = wait(browser, lambda b: css(b, ".node[data-node-id]"))[0]
     assert node.get_attribute("data-node-id") and node.get_attribute("data-node-id") in node.text
     assert css(browser, ".node .memory-bar")
+    assert "mlx" in css(browser, "#engine-list")[0].text  # which engines the cluster offers (vLLM too here)
+    wait(browser, lambda b: "CPU load" in css(b, ".node")[0].text, 30)  # the node's live metrics sample
     wait(browser, lambda b: "live" in css(b, "#status")[0].text, 30)
     screenshot(browser, "topology")
 
@@ -96,6 +99,7 @@ def test_an_instance_created_from_the_models_view_becomes_ready(gateway, browser
     screenshot(browser, "models")
     show(browser, "topology")
     wait(browser, lambda b: css(b, f'.node .instance[data-model-id="{MODEL}"][data-status="ready"]'), 30)
+    screenshot(browser, "topology-serving")
 
 
 def test_a_chat_message_streams_an_answer(gateway, browser) -> None:
@@ -126,6 +130,8 @@ def test_the_metrics_plot_has_points(gateway, browser) -> None:
         lambda b: [p for p in css(b, "#metrics-plot") if int(p.get_attribute("data-points") or 0) > 1],
         60,
     )
-    assert css(browser, "#metrics-plot circle.point")
+    assert plot and css(browser, "#metrics-plot circle.point")
     screenshot(browser, "metrics")
-    assert plot
+    # the chat's request left a time-to-first-token point on its node (the metrics-collector's series)
+    Select(css(browser, "#metrics-metric")[0]).select_by_value("ttft_s")
+    wait(browser, lambda b: int(css(b, "#metrics-plot")[0].get_attribute("data-points") or 0) >= 1, 30)

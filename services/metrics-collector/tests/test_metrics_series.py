@@ -5,6 +5,8 @@ import redis.asyncio as aioredis
 
 from fleet_metrics.api import nodes_view
 from fleet_proto import NodeMetrics
+from fleet_proto.common import GpuSample
+from fleet_proto.messages import RequestStats
 from fleet_store import series
 from fleet_store.series import DEFAULT_WINDOW_S, BadQuery, parse_series_query
 
@@ -40,7 +42,7 @@ def test_sample_points_sums_instances():
     assert points["queued_tokens"] == 7
     assert points["running_tokens"] == 0
     assert points["cpu_percent"] == 12.5
-    assert set(points) == set(series.METRICS)
+    assert set(points) == set(series.METRICS) - {"gpu_utilization"}  # a CPU node reports no GPU
 
 
 async def test_record_read_trim_and_window(redis_client):
@@ -81,3 +83,33 @@ def test_nodes_view_lists_live_nodes_with_latest_sample():
     assert view[0]["metrics"] is None
     assert view[1]["metrics"]["memory_used_bytes"] == 1
     assert view[1]["info"] == {"hostname": "h"}
+
+
+def stats(**kw) -> RequestStats:
+    fields = dict(request_id="r", model_id="m", instance_id="i", node_id="n", prompt_tokens=100)
+    fields |= dict(completion_tokens=11, ttft_s=0.5, tpot_s=0.02, total_s=0.7, finish_reason="stop")
+    return RequestStats(**(fields | kw))
+
+
+def test_request_points_are_ttft_decode_rate_and_kv_hits():
+    points = series.request_points(stats(prefix_cached_tokens=64))
+    assert points == {"ttft_s": 0.5, "decode_tokens_per_s": 50.0, "kv_hit_ratio": 0.64}
+    assert series.request_points(stats(completion_tokens=0, prompt_tokens=0)) == {}  # nothing to say
+    assert set(series.request_points(stats(completion_tokens=1))) == {"ttft_s", "kv_hit_ratio"}
+
+
+def test_gpu_utilization_is_the_mean_of_the_gpus_that_report_it():
+    gpus = (
+        GpuSample(index=0, utilization_ratio=0.5),
+        GpuSample(index=1, utilization_ratio=1.0),
+        GpuSample(index=2),
+    )
+    assert series.sample_points(sample(1.0, gpus=gpus))["gpu_utilization"] == 0.75
+    assert "gpu_utilization" not in series.sample_points(sample(1.0))
+
+
+async def test_request_series_land_on_the_node(redis_client):
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    await series.record_request(redis_client, stats(node_id=node), at=1000.0)
+    assert await series.read(redis_client, node, "ttft_s", 60, now=1001.0) == [(1000.0, 0.5)]
+    assert parse_series_query({"metric": "kv_hit_ratio"})[0] == "kv_hit_ratio"

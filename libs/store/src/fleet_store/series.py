@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
 
-from fleet_proto import NodeMetrics
+from fleet_proto import NodeMetrics, RequestStats
 
 KEY_PREFIX = "fleet:series"
 MAX_POINTS = 3600  # 1 h at 1 Hz
@@ -22,8 +22,14 @@ TTL_S = 2 * 3600
 MAX_WINDOW_S = 24 * 3600.0
 DEFAULT_WINDOW_S = 300.0
 
-# metric name -> how to read it from a NodeMetrics sample
-METRICS: dict[str, Callable[[NodeMetrics], float]] = {
+
+def _gpu_utilization(sample: NodeMetrics) -> float | None:
+    reported = [g.utilization_ratio for g in sample.gpus if g.utilization_ratio >= 0]
+    return sum(reported) / len(reported) if reported else None
+
+
+# metric name -> how to read it from a NodeMetrics sample (None: the node does not report it)
+METRICS: dict[str, Callable[[NodeMetrics], float | None]] = {
     "memory_used_bytes": lambda s: s.memory_used_bytes,
     "memory_available_bytes": lambda s: s.memory_available_bytes,
     "cpu_percent": lambda s: s.cpu_percent,
@@ -31,7 +37,17 @@ METRICS: dict[str, Callable[[NodeMetrics], float]] = {
     "active_requests": lambda s: sum(s.active_requests.values()),
     "running_tokens": lambda s: sum(s.running_tokens.values()),
     "queued_tokens": lambda s: sum(s.queued_tokens.values()),
+    "gpu_utilization": _gpu_utilization,
 }
+# metric name -> how to read it from a finished request's stats (a point per request, on its node)
+REQUEST_METRICS: dict[str, Callable[[RequestStats], float | None]] = {
+    "ttft_s": lambda r: r.ttft_s if r.completion_tokens > 0 and r.ttft_s >= 0 else None,
+    "decode_tokens_per_s": lambda r: 1.0 / r.tpot_s if r.completion_tokens > 1 and r.tpot_s > 0 else None,
+    "kv_hit_ratio": lambda r: (
+        min(r.prefix_cached_tokens, r.prompt_tokens) / r.prompt_tokens if r.prompt_tokens > 0 else None
+    ),
+}
+SERIES = sorted({*METRICS, *REQUEST_METRICS})
 
 
 def series_key(node_id: str, metric: str) -> str:
@@ -51,9 +67,19 @@ def decode_point(raw: bytes | str) -> tuple[float, float] | None:
         return None
 
 
+def _points(readers: Mapping[str, Callable], item) -> dict[str, float]:
+    values = {name: read(item) for name, read in readers.items()}
+    return {name: float(value) for name, value in values.items() if value is not None}
+
+
 def sample_points(sample: NodeMetrics) -> dict[str, float]:
-    """Every tracked metric of one sample, as numbers."""
-    return {name: float(get(sample)) for name, get in METRICS.items()}
+    """Every tracked metric the sample reports, as numbers."""
+    return _points(METRICS, sample)
+
+
+def request_points(stats: RequestStats) -> dict[str, float]:
+    """Every request metric the stats allow (no TTFT without a token, no rate without two)."""
+    return _points(REQUEST_METRICS, stats)
 
 
 def in_window(points: list[tuple[float, float]], window_s: float, now: float) -> list[tuple[float, float]]:
@@ -70,10 +96,28 @@ async def record(
     ttl_s: int = TTL_S,
 ) -> None:
     """Append the sample (at its own timestamp) to each metric's list, trim it and renew its expiry."""
+    await _append(redis, node_id, sample.at, sample_points(sample), max_points, ttl_s)
+
+
+async def record_request(
+    redis: aioredis.Redis,
+    stats: RequestStats,
+    at: float,
+    *,
+    max_points: int = MAX_POINTS,
+    ttl_s: int = TTL_S,
+) -> None:
+    """Append a finished request's points (at `at`, when it finished) to its node's lists."""
+    await _append(redis, stats.node_id, at, request_points(stats), max_points, ttl_s)
+
+
+async def _append(
+    redis: aioredis.Redis, node_id: str, at: float, points: dict[str, float], max_points: int, ttl_s: int
+) -> None:
     pipe = redis.pipeline(transaction=False)
-    for metric, value in sample_points(sample).items():
+    for metric, value in points.items():
         key = series_key(node_id, metric)
-        pipe.rpush(key, encode_point(sample.at, value))
+        pipe.rpush(key, encode_point(at, value))
         pipe.ltrim(key, -max_points, -1)
         pipe.expire(key, ttl_s)
     await pipe.execute()
@@ -95,8 +139,8 @@ class BadQuery(ValueError):
 def parse_series_query(query: Mapping[str, str]) -> tuple[str, float]:
     """(metric, window_s) from `?metric=...&window=...`; BadQuery says what is wrong."""
     metric = query.get("metric", "")
-    if metric not in METRICS:
-        raise BadQuery(f"unknown metric {metric!r}; one of: {', '.join(sorted(METRICS))}")
+    if metric not in SERIES:
+        raise BadQuery(f"unknown metric {metric!r}; one of: {', '.join(SERIES)}")
     raw = query.get("window")
     if raw is None:
         return metric, DEFAULT_WINDOW_S

@@ -1,15 +1,19 @@
 """The dashboard: the page at GET /, its assets at /ui/<file> (shipped in the package, no build
-step, no CDN), and the node time series it plots (the metrics-collector's, read from Redis)."""
+step, no CDN), each node's latest metrics sample, and the node time series it plots (the
+metrics-collector's, read from Redis)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
 
 from fleet_bus import StateFollower
 from fleet_gateway.errors import ApiError
+from fleet_proto import NodeMetrics
 from fleet_store import series
 
 ASSETS = Path(__file__).with_name("dashboard")
@@ -25,15 +29,22 @@ def asset(name: str) -> web.FileResponse:
     return web.FileResponse(path, headers=headers)
 
 
-def dashboard_routes(follower: StateFollower, redis: aioredis.Redis) -> list[web.RouteDef]:
+def dashboard_routes(
+    follower: StateFollower, redis: aioredis.Redis, live_samples: Callable[[], list[NodeMetrics]]
+) -> list[web.RouteDef]:
     async def index(_: web.Request) -> web.FileResponse:
         return asset("index.html")
 
     async def ui(request: web.Request) -> web.FileResponse:
         return asset(request.match_info["name"])
 
+    async def live(_: web.Request) -> web.Response:
+        """The latest metrics sample of every live node (memory, CPU, GPUs, load), by node id."""
+        samples = {sample.node_id: sample for sample in live_samples()}
+        return web.Response(body=msgspec.json.encode(samples), content_type="application/json")
+
     async def metrics(_: web.Request) -> web.Response:
-        return web.json_response({"metrics": sorted(series.METRICS)})
+        return web.json_response({"metrics": series.SERIES})
 
     async def node_series(request: web.Request) -> web.Response:
         node_id = request.query.get("node", "")
@@ -52,6 +63,7 @@ def dashboard_routes(follower: StateFollower, redis: aioredis.Redis) -> list[web
     return [
         web.get("/", index),
         web.get("/ui/{name}", ui),
+        web.get("/dashboard/live", live),
         web.get("/dashboard/metrics", metrics),
         web.get("/dashboard/series", node_series),
     ]

@@ -56,7 +56,7 @@ async def main(ctx: ServiceContext) -> None:
     app.router.add_get("/openapi.json", lambda _: web.json_response(document))
     kv_index = KVIndex.from_url(ctx.settings.redis_url)
     series_redis = aioredis.from_url(ctx.settings.redis_url)
-    app.add_routes(dashboard_routes(ctx.follower, series_redis))
+    app.add_routes(dashboard_routes(ctx.follower, series_redis, liveness.live_samples))
     app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(
         app, ctx.settings.gateway_host, ctx.settings.gateway_port, cancel_on_disconnect=True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 import redis.asyncio as aioredis
@@ -25,6 +26,7 @@ log = logging.getLogger("fleet_metrics")
 METRICS_SUBJECT = "fleet.metrics.*"
 REQUEST_STATS_SUBJECT = "fleet.stats.request"
 SERIES_INTERVAL_S = 1.0  # at most one Redis write per node per interval
+MAX_REQUESTS_PER_FLUSH = 1000  # finished requests written per interval (the rest wait for the next)
 
 _metrics_decoder = msgspec.json.Decoder(NodeMetrics)
 _stats_decoder = msgspec.json.Decoder(RequestStats)
@@ -42,6 +44,7 @@ async def main(ctx: ServiceContext) -> None:
 
     latest: dict[str, NodeMetrics] = {}
     pending: dict[str, NodeMetrics] = {}  # newest sample per node not yet written to Redis
+    finished: list[tuple[RequestStats, float]] = []  # finished requests not yet written, with when
 
     def live_samples() -> list[NodeMetrics]:
         # only nodes the event stream still lists: a node that left stops being reported
@@ -64,6 +67,7 @@ async def main(ctx: ServiceContext) -> None:
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
         metrics.observe_request(stats)
+        finished.append((stats, time.time()))
 
     async def write_series() -> None:
         # Flushes the newest pending sample of each node once per interval, so Redis sees at most
@@ -72,6 +76,13 @@ async def main(ctx: ServiceContext) -> None:
             await asyncio.sleep(SERIES_INTERVAL_S)
             batch = dict(pending)
             pending.clear()
+            requests = finished[:MAX_REQUESTS_PER_FLUSH]
+            del finished[: len(requests)]
+            for stats, at in requests:
+                try:
+                    await series.record_request(client, stats, at)
+                except (aioredis.RedisError, OSError) as exc:
+                    log.warning("request series write for %s failed: %s", stats.node_id, exc)
             for node_id, sample in batch.items():
                 try:
                     await series.record(client, node_id, sample)

@@ -6,6 +6,7 @@ const EVENT_NAMES = ("node_joined node_left node_updated instance_placed instanc
 
 const state = {
   data: { nodes: {}, instances: {}, downloads: {}, models: {} },
+  live: {}, // node id -> its latest metrics sample (memory, CPU, GPUs)
   lastJson: "",
   refreshTimer: null,
   modelUi: {}, // per model: {busy, error, placements, placementError}
@@ -107,6 +108,13 @@ async function refreshState() {
   refreshChatModels();
 }
 
+async function refreshLive() {
+  const live = await requestJSON("GET", "/dashboard/live").catch(() => null);
+  if (!live || JSON.stringify(live) === JSON.stringify(state.live)) return;
+  state.live = live;
+  if (state.data.nodes) renderTopology();
+}
+
 function scheduleRefresh() {
   if (state.refreshTimer) return;
   state.refreshTimer = setTimeout(() => { state.refreshTimer = null; refreshState(); }, 300);
@@ -131,10 +139,19 @@ function connectEvents() {
   };
 }
 
+// The engines instances can run on (nodes also list libraries such as mlx-lm and torch).
+const SERVING_ENGINES = ["mlx", "vllm"];
+
+function servingEngines(nodes) {
+  const names = new Set(nodes.flatMap((node) => (node.engines || []).map((engine) => engine.name)));
+  return SERVING_ENGINES.filter((name) => names.has(name));
+}
+
 function renderAll() {
   const instances = Object.values(state.data.instances);
   $("node-count").textContent = Object.keys(state.data.nodes).length;
   $("ready-count").textContent = instances.filter((i) => i.status === "ready").length;
+  $("engine-list").textContent = servingEngines(Object.values(state.data.nodes)).join(", ") || "none";
   renderTopology();
   renderModels();
   fillSelect($("metrics-node"), Object.keys(state.data.nodes));
@@ -162,9 +179,10 @@ function deviceIcon(kind) {
   return icon;
 }
 
-function memoryBar(node) {
+function memoryBar(node, live) {
   const total = node.memory_total_bytes || 0;
-  const free = node.memory_available_bytes || 0;
+  // The live sample's figure when the node reports one, else what it said when it joined.
+  const free = live?.memory_available_bytes ?? node.memory_available_bytes ?? 0;
   const used = total > 0 ? Math.min(1, Math.max(0, (total - free) / total)) : 0;
   const fill = el("div", { className: "memory-fill" });
   fill.style.width = `${(used * 100).toFixed(1)}%`;
@@ -191,7 +209,13 @@ function createNodeCard(id) {
   return el("article", { className: "node panel", "data-node-id": id });
 }
 
+function gpuUtilization(live) {
+  const reported = (live?.gpus || []).map((g) => g.utilization_ratio).filter((u) => u >= 0);
+  return reported.length ? `${Math.round((reported.reduce((a, b) => a + b, 0) / reported.length) * 100)}%` : null;
+}
+
 function fillNodeCard(card, node, instances) {
+  const live = state.live[node.node_id];
   const kind = deviceKind(node);
   const engines = (node.engines || []).map((e) => `${e.name} ${e.version || ""}`.trim()).join(", ");
   const gpus = (node.gpus || []).map((g) => `${g.name} (${gib(g.memory_bytes)})`).join(", ");
@@ -201,8 +225,9 @@ function fillNodeCard(card, node, instances) {
       el("div", {}, el("h3", { className: "node-id" }, node.node_id),
         el("p", { className: "muted" }, `${kind.label} · ${node.hostname || ""}`))),
     facts([["Chip", node.chip || node.machine], ["CPUs", node.cpu_count], gpus && ["GPUs", gpus],
-      ["Engines", engines || null]]),
-    memoryBar(node),
+      ["Engines", engines || null], live && ["CPU load", `${Math.round(live.cpu_percent)}%`],
+      gpuUtilization(live) && ["GPU util", gpuUtilization(live)]]),
+    memoryBar(node, live),
     el("h4", {}, "Instances"),
     instances.length ? el("ul", { className: "instances" }, instances.map((i) => instanceItem(i, false)))
       : el("p", { className: "muted" }, "none"));
@@ -542,6 +567,7 @@ function start() {
   connectEvents();
   setInterval(refreshState, 5000);
   setInterval(refreshMetrics, 2000);
+  setInterval(refreshLive, 2000);
 }
 
 start();
