@@ -3,12 +3,15 @@ reachable through /ui/<name>."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
 
 from fleet_gateway.dashboard_routes import ASSETS, asset
 from fleet_gateway.errors import ApiError
+from fleet_proto import events
+from fleet_proto.subjects import event_subject
 
 
 def test_the_page_links_only_shipped_assets_and_no_other_origin() -> None:
@@ -32,3 +35,11 @@ def test_anything_else_is_a_404(name: str) -> None:
 def test_a_shipped_file_is_served_with_its_type() -> None:
     response = asset("app.js")
     assert response.headers["Content-Type"].startswith("text/javascript")
+
+
+def test_the_page_listens_to_every_named_event_of_the_stream() -> None:
+    kinds = [c for _, c in inspect.getmembers(events, inspect.isclass) if issubclass(c, events.EventBase)]
+    names = {event_subject(kind).rsplit(".", 1)[-1] for kind in kinds if kind is not events.EventBase}
+    listed = re.search(r"const EVENT_NAMES = \((.*?)\)\.split", (ASSETS / "app.js").read_text(), re.DOTALL)
+    assert listed
+    assert set(re.findall(r"[a-z_]+", listed.group(1))) == names

@@ -1,8 +1,10 @@
 // Fleet dashboard: plain ES module, no build step, no external assets.
 const GIB = 1024 ** 3;
 const SVG_NS = "http://www.w3.org/2000/svg";
-const EVENT_NAMES = ("node_joined node_left node_updated instance_placed instance_loading instance_ready instance_failed "
-  + "instance_deleted instance_draining download_progress download_finished download_failed model_staged").split(" ");
+// The named events of /events (fleet_proto.events; a test keeps this list complete).
+const EVENT_NAMES = ("service_started service_stopped node_joined node_left instance_placed instance_loading "
+  + "instance_ready instance_failed instance_deleted instance_status_changed download_progressed model_staged "
+  + "model_deleted").split(" ");
 
 const state = {
   data: { nodes: {}, instances: {}, downloads: {}, models: {} },
