@@ -196,11 +196,13 @@ function memoryBar(node, live) {
 
 function instanceItem(inst, withDelete) {
   let status = inst.status || "unknown";
-  if (status === "loading" && typeof inst.progress === "number") status += ` ${Math.round(inst.progress * 100)}%`;
+  // A worker pulling the model's files (downloading) or loading its layers reports how far it is.
+  const inProgress = status === "loading" || status === "downloading";
+  if (inProgress && typeof inst.progress === "number") status += ` ${Math.round(inst.progress * 100)}%`;
   const item = el("li", { className: "instance", "data-instance-id": inst.instance_id,
     "data-status": inst.status || "", "data-model-id": inst.model_id || "" },
   el("span", { className: "instance-model" }, inst.model_id),
-  el("span", { className: "instance-meta" }, `${inst.engine || "?"} · ${inst.role || "both"}`),
+  el("span", { className: "instance-meta" }, `${inst.engine || "?"} · ${inst.role || "both"} · ${inst.node_id || "unplaced"}`),
   el("span", { className: `badge status-${inst.status}` }, status));
   if (inst.reason) item.append(el("span", { className: "instance-reason" }, inst.reason));
   if (withDelete) item.append(deleteButton(inst.instance_id));
