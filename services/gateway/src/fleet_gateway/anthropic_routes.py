@@ -5,9 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from fleet_gateway import anthropic_api as api
-from fleet_gateway.errors import ApiError
 from fleet_gateway.streaming import stream_run
-from fleet_gateway.turns import Turns, collect
+from fleet_gateway.turns import Turns, collect, render_prompt
 
 
 def anthropic_routes(turns: Turns) -> list[web.RouteDef]:
@@ -25,12 +24,8 @@ def anthropic_routes(turns: Turns) -> list[web.RouteDef]:
     async def count_tokens(request: web.Request) -> web.Response:
         req = api.parse_count_tokens_request(await request.read())
         model = await turns.resolve(req.model)
-        try:
-            text = model.tokenizer.render_chat(
-                api.template_messages(req.system, req.messages), tools=api.template_tools(req.tools, None)
-            )
-        except ValueError as exc:
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        messages = api.template_messages(req.system, req.messages)
+        text = render_prompt(model, messages, api.template_tools(req.tools, None))
         return web.json_response({"input_tokens": len(model.tokenizer.encode(text))})
 
     return [web.post("/v1/messages", messages), web.post("/v1/messages/count_tokens", count_tokens)]

@@ -17,12 +17,13 @@ from typing import Annotated, Any
 
 import msgspec
 
+from fleet_gateway.aliases import ready_models
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.frames import NDJSON, Finished, ndjson_line
 from fleet_gateway.parsing.output import Delta
 from fleet_gateway.sampling import SamplingAsk, check_sampling
 from fleet_gateway.turns import ChatTurn
-from fleet_proto import InstanceStatus, ModelCard, State
+from fleet_proto import ModelCard, State
 
 # Ollama generates until EOS or the context is full when num_predict is unset (or -1 / -2).
 UNBOUNDED_TOKENS = 1 << 30
@@ -297,12 +298,11 @@ def tags_body(state: State, now: float) -> dict[str, Any]:
 
 def ps_body(state: State) -> dict[str, Any]:
     """Models with a ready instance (Ollama: loaded in memory); they stay until deleted."""
-    running = sorted({i.model_id for i in state.instances.values() if i.status == InstanceStatus.READY})
     return {
         "models": [
             _listed(model_id, state.models.get(model_id))
             | {"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
-            for model_id in running
+            for model_id in ready_models(state)
         ]
     }
 

@@ -56,10 +56,11 @@ def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
     async def show(request: web.Request) -> web.Response:
         name = api.parse_show_request(await request.read())
         state = follower.state
-        model_id = serving_model(state, name) or (name if name in state.models else None)
+        serving = serving_model(state, name)  # with a ready instance: its tokenizer tells the rest
+        model_id = serving or (name if name in state.models else None)
         if model_id is None:
             raise ApiError(404, f"model '{name}' not found", param="model")
-        model = await turns.resolve(model_id) if serving_model(state, name) else None
+        model = await turns.resolve(serving) if serving else None
         template = (model.tokenizer.chat_template or "") if model else ""
         capabilities = ["completion"]
         capabilities += ["tools"] if infer_tool_parser(template) else []

@@ -133,6 +133,16 @@ def tool_format(model: ModelInfo, tools: list[dict[str, Any]] | None) -> str:
     return found
 
 
+def render_prompt(
+    model: ModelInfo, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> str:
+    """The prompt text the model's chat template makes of a conversation; 400 when it cannot."""
+    try:
+        return model.tokenizer.render_chat(messages, tools=tools or None)
+    except ValueError as exc:
+        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A request ready to run: the model, prompt token ids, sampling and the text step."""
@@ -237,10 +247,7 @@ class Turns:
     async def prepare_chat(self, turn: ChatTurn) -> Prepared:
         model = await self.resolve(turn.model)
         formats = tool_format(model, turn.tools)
-        try:
-            text = model.tokenizer.render_chat(turn.messages, tools=turn.tools or None)
-        except ValueError as exc:
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        text = render_prompt(model, turn.messages, turn.tools)
         prompt = model.tokenizer.encode(text)
         return Prepared(
             model,
