@@ -9,7 +9,7 @@ PACKAGES := libs/proto libs/bus libs/store libs/runtime \
 	deploy/local
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install run down status test test-apt lint proto check-proto bench docker clean
+.PHONY: install run down status test test-apt lint proto check-proto bench bench-install docker clean
 
 install: $(STAMP)
 
@@ -61,13 +61,20 @@ lint: install
 test: install lint test-apt
 	$(BIN)/python -m pytest -q
 
-bench: install
-	$(BIN)/python bench/first_light.py
-	$(BIN)/python bench/route_latency.py
-	$(BIN)/python bench/staging_throughput.py
-	$(if $(VLLM_CPU),$(BIN)/python bench/vllm_serving.py)
-	$(BIN)/python bench/kv_tiers.py
-	$(if $(VLLM_CPU),$(BIN)/python bench/disagg.py,$(BIN)/python bench/disagg.py --tiny)
+# The standard set (bench/suite.py): writes bench/results/latest.json, plots and the README's table.
+bench: install bench-install
+	$(BIN)/python bench/suite.py
+
+BENCH_STAMP := $(VENV)/.bench-installed
+bench-install: $(BENCH_STAMP)
+
+# Debian's compiler and cmake build llama-cpp-python (skipped when present).
+BENCH_APT_PACKAGES := build-essential cmake
+$(BENCH_STAMP): requirements-bench.txt | $(STAMP)
+	@if command -v apt-get >/dev/null && ! { command -v cmake && command -v g++; } >/dev/null; then \
+		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(BENCH_APT_PACKAGES); fi
+	$(BIN)/pip install -q -r requirements-bench.txt
+	touch $@
 
 docker:
 	docker compose build

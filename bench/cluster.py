@@ -59,7 +59,8 @@ async def delete(gateway: str, instance_id: str) -> None:
 
 @contextmanager
 def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iterator:
-    """An embedded stack whose own worker is w1, plus a second worker w2; yields the manifest."""
+    """An embedded stack whose own worker is w1, plus a second worker w2; yields the manifest and
+    w2's PID."""
     from fleet_local import stack
     from fleet_local.processes import free_port, spawn, stop_pid
 
@@ -78,7 +79,7 @@ def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iter
     }
     worker = spawn([sys.executable, "-m", "fleet_worker"], state_dir / "logs" / "w2.log", env)
     try:
-        yield manifest
+        yield manifest, worker.pid
     finally:
         stop_pid(worker.pid)
         stack.down(state_dir)

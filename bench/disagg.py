@@ -207,7 +207,7 @@ def main() -> int:
         model, layers, prefill_engine = "tiny/llama-disagg", 2, "mlx"
         source = f"file://{make_chat_model(state_dir / 'tiny-src', max_positions=8192)}"
         w2 = {"FLEET_NODE_ENGINES": "mlx"}
-    with two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, w2) as manifest:
+    with two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, w2) as (manifest, _):
         gateway = manifest.gateway_url
         print(f"staging {model}; decode: MLX on w1, prefill: {prefill_engine} on w2")
         asyncio.run(stage(gateway, model, source))

@@ -12,11 +12,14 @@ from tests.support import REPO
 def test_the_bench_folder_is_the_repositorys() -> None:
     assert BENCH_DIR == REPO / "bench"
     assert bench_script("disagg") == REPO / "bench" / "disagg.py"
+    assert bench_script("control-plane") == REPO / "bench" / "control_plane.py"
 
 
-@pytest.mark.parametrize("name", ["nope", "../conftest", "cluster/../disagg", "_private", "cluster"])
+@pytest.mark.parametrize(
+    "name", ["nope", "../conftest", "cluster/../disagg", "_private", "cluster", "loadgen", "-x"]
+)
 def test_unknown_names_are_refused_with_the_known_ones(name: str) -> None:
-    with pytest.raises(BootstrapError, match=r"known: .*disagg"):
+    with pytest.raises(BootstrapError, match=r"known: .*control-plane.*disagg"):
         bench_script(name)
 
 

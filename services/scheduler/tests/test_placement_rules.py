@@ -115,6 +115,22 @@ def test_engine_the_model_does_not_support_is_refused():
         place(state, "org/m", "i1", engine="vllm")
 
 
+def test_the_echo_engine_runs_any_model_only_when_asked_for_by_name():
+    # It loads no weights: a node offering it takes a model far larger than its memory.
+    state = cluster(node("a", 0.5, engines=("mlx", "echo")), cards=(card(storage=8.0, engines=("mlx",)),))
+    placed = place(state, "org/m", "i1", engine="echo")
+    assert (placed.engine, placed.node_id) == ("echo", "a")
+    assert {o.engine for o in placement_options(state, "org/m")} == {"mlx"}  # never chosen unasked
+    with pytest.raises(PlacementError, match="needs"):
+        place(state, "org/m", "i1")
+
+
+def test_the_echo_engine_needs_a_node_that_offers_it():
+    state = cluster(node("a", 64.0, engines=("mlx",)), cards=(card(),))
+    with pytest.raises(PlacementError, match="no echo engine"):
+        place(state, "org/m", "i1", engine="echo")
+
+
 # --- memory ------------------------------------------------------------------------------------
 
 

@@ -119,14 +119,18 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 
 BENCH_DIR = Path(__file__).resolve().parents[4] / "bench"  # the repository's, for an editable install
-BENCH_HELPERS = {"cluster"}  # modules there that the benchmarks import
+# Modules there that the benchmarks import.
+BENCH_HELPERS = {"cluster", "loadgen", "peers", "plots", "report"}
 
 
 def bench_script(name: str, bench_dir: Path = BENCH_DIR) -> Path:
-    """bench/<name>.py, or BootstrapError naming the benchmarks there are."""
-    script = bench_dir / f"{name}.py"
-    if name.startswith(("_", ".")) or "/" in name or name in BENCH_HELPERS or not script.is_file():
-        known = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem not in BENCH_HELPERS)
+    """bench/<name>.py (control-plane: control_plane.py), or BootstrapError naming the known ones."""
+    stem = name.replace("-", "_")
+    script = bench_dir / f"{stem}.py"
+    if name.startswith(("_", ".", "-")) or "/" in name or stem in BENCH_HELPERS or not script.is_file():
+        known = sorted(
+            p.stem.replace("_", "-") for p in bench_dir.glob("*.py") if p.stem not in BENCH_HELPERS
+        )
         raise BootstrapError(f"no benchmark {name!r} in {bench_dir}; known: {', '.join(known) or 'none'}")
     return script
 
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     pull_parser.add_argument("--gateway", default="", help="gateway URL (default: the stack in --state-dir)")
     bench_parser = sub.add_parser("bench", help="run a benchmark of this checkout (bench/NAME.py)")
-    bench_parser.add_argument("name", help="e.g. disagg, kv_tiers, first_light")
+    bench_parser.add_argument("name", help="e.g. serve, compare, control-plane, kv, disagg, suite")
     bench_parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     args = parser.parse_args(argv)
     handlers = {

@@ -18,6 +18,7 @@ from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, NodeKind,
 
 GiB = 2**30
 MLX_COMMUNITY = "mlx-community"
+ECHO_ENGINE = "echo"
 _UNQUANTIZED = frozenset({"", "bf16", "fp16", "bfloat16", "float16", "fp32", "float32"})
 # Instances that hold (or will hold) memory on their nodes. A node's available memory in State is what
 # it reported when it joined, before these instances loaded, so every live instance is subtracted.
@@ -41,6 +42,9 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
 ENGINE_CAPS: dict[str, EngineCaps] = {
     "mlx": EngineCaps(pipeline=False),  # issue 15 enables pipeline
     "vllm": EngineCaps(pipeline=False),
+    # Loads no weights, so it needs no memory and runs any model: only when asked for by name, on a
+    # node that offers it (FLEET_NODE_ENGINES); never probed as installed.
+    ECHO_ENGINE: EngineCaps(pipeline=False, memory_headroom=0.0),
 }
 
 
@@ -103,6 +107,8 @@ def is_mlx_quantized(card: ModelCard) -> bool:
 
 def _engines(card: ModelCard, caps: Mapping[str, EngineCaps], engine: str = "") -> list[str]:
     known = [e for e in card.supported_engines if e in caps]
+    if engine == ECHO_ENGINE and engine in caps:
+        return [engine]
     if engine and engine not in known:
         supported = ", ".join(card.supported_engines) or "none"
         raise PlacementError(f"{card.model_id} does not run on {engine} (supported: {supported})")
@@ -235,14 +241,14 @@ def _rank(options: list[PlacementOption]) -> list[PlacementOption]:
 
 
 def placement_options(
-    state: State, model_id: str, caps: Mapping[str, EngineCaps] = ENGINE_CAPS
+    state: State, model_id: str, caps: Mapping[str, EngineCaps] = ENGINE_CAPS, asked_engine: str = ""
 ) -> list[PlacementOption]:
-    """Every way to run model_id on the cluster, feasible first, best first."""
+    """Every way to run model_id on the cluster (on asked_engine when given), feasible first, best first."""
     card = model_card(state, model_id)
     free = free_bytes(state, caps)
     nodes = sorted(state.nodes.values(), key=lambda n: n.node_id)
     options: list[PlacementOption] = []
-    for engine in _engines(card, caps):
+    for engine in _engines(card, caps, asked_engine):
         if refusal := engine_refusal(card, engine):
             options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=refusal))
             continue
@@ -355,7 +361,7 @@ def place(
     if shards is not None:
         options = _explicit_options(state, card, engines, tuple(shards), caps)
     else:
-        options = [o for o in placement_options(state, model_id, caps) if o.engine in engines]
+        options = placement_options(state, model_id, caps, engine)
     best = next((o for o in options if o.feasible), None)
     if best is None:
         raise PlacementError(_refusal(card, options, engines, caps, explicit=shards is not None))

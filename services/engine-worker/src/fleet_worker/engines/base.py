@@ -110,6 +110,8 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         "fleet_worker.engines.vllm_engine:VllmEngine", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     ),
+    # No model: echoes the prompt's tokens, to measure Fleet's own costs (fleet bench control-plane).
+    "echo": EngineSpec("fleet_worker.engines.echo_engine:EchoEngine"),
 }
 
 

@@ -1,8 +1,8 @@
 """The shared KV cache's tiers, measured on one run: TTFT of a ~2,000-token prompt cold, warm from
 object storage on another worker, and warm in memory; and the tier-2 fetch rate vs raw S3 gets.
 
-    .venv/bin/python bench/kv_tiers.py                  # SmolLM2-135M-Instruct on MLX, two workers
-    .venv/bin/python bench/kv_tiers.py --tiny           # a tiny random llama (seconds, not minutes)
+    .venv/bin/fleet bench kv                  # SmolLM2-135M-Instruct on MLX, two workers
+    .venv/bin/fleet bench kv --tiny           # a tiny random llama (seconds, not minutes)
 
 Starts an embedded stack whose worker is w1 plus a second worker w2 (both MLX, same machine), and:
   1. cold: w1 alone serves a prompt with a ~2,000-token system prompt (max_tokens 1: TTFT only);
@@ -145,7 +145,7 @@ def main() -> int:
 
         model, layers = "tiny/llama-long", 2
         source = f"file://{make_chat_model(state_dir / 'tiny-src', max_positions=8192)}"
-    with two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, {}) as manifest:
+    with two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, {}) as (manifest, _):
         gateway = manifest.gateway_url
         s3_url = next(p.url for p in manifest.processes if p.name == "s3")
 
@@ -196,7 +196,7 @@ def main() -> int:
         f"  tier-2 fetch {f['worker_fetch_mb_s']:.0f} MB/s vs raw get {f['raw_get_mb_s']:.0f} MB/s "
         f"({f['blocks']} blocks, {f['bytes'] / 1e6:.1f} MB): ratio {f['ratio_worker_over_raw']:.2f}"
     )
-    write_result(args.out, f"kv_tiers-{'tiny' if args.tiny else 'smollm2'}", result)
+    write_result(args.out, f"kv-{'tiny' if args.tiny else 'smollm2'}", result)
     return 0
 
 

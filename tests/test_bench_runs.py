@@ -1,0 +1,84 @@
+"""`fleet bench serve`, `compare` and `control-plane` run for real on a tiny random model (small
+counts) and write results that say what was measured; the suite's report reads them. Speed itself
+is not asserted: that is what the benchmarks are for."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import report
+
+pytestmark = pytest.mark.timeout(600)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(name: str, out: Path, *args: str) -> dict:
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("fleet")), "bench", name, *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (result,) = [p for p in out.glob("*.json")]
+    return json.loads(result.read_text())
+
+
+def positive(value: float) -> bool:
+    return value > 0 and not math.isnan(value)
+
+
+def test_serve_sweeps_a_fleet_stack_and_plots_it(tmp_path: Path) -> None:
+    result = bench("serve", tmp_path, "--fleet", "--tiny", "--engine", "mlx", "--prompt-lens", "16,48",
+                   "--gen-lens", "6", "--concurrency", "1,3", "--repeats", "1")  # fmt: skip
+    assert list(result["workloads"]) == ["16x6@1", "16x6@3", "48x6@1", "48x6@3"]
+    assert result["prompt_lengths_counted_by"] == "tokenizer"
+    for label, entry in result["workloads"].items():
+        assert entry["errors"] == 0, entry["error_examples"]
+        assert entry["requests"] == entry["workload"]["concurrency"]
+        assert entry["completion_tokens_p50"] == 6  # the random model does not stop early
+        for metric in ("ttft_s_p50", "ttft_s_p99", "tpot_s_p50", "aggregate_tps_p50", "prompt_tps_p50"):
+            assert positive(entry[metric]), (label, metric)
+        assert entry["peak_rss_bytes"] > 50 << 20  # the whole stack's processes
+        # The chat template adds its own tokens around the asked-for prompt length.
+        assert entry["prompt_tokens_p50"] >= entry["workload"]["prompt_tokens"]
+    assert len(result["plots"]) == 2
+    assert all(Path(p).read_bytes().startswith(PNG_MAGIC) for p in result["plots"])
+
+
+def test_compare_runs_fleet_and_mlx_peers_alternating_with_ratios(tmp_path: Path) -> None:
+    result = bench("compare", tmp_path, "--tiny", "--peers", "fleet-mlx,mlx-lm,mlx_lm.server,llama.cpp",
+                   "--workloads", "16x6@1,16x6@2", "--repeats", "2")  # fmt: skip
+    assert list(result["sides"]) == ["fleet-mlx", "mlx-lm", "mlx_lm.server"]
+    assert "llama.cpp" in result["unavailable"]  # the tiny model has no GGUF
+    for entry in result["workloads"].values():
+        assert set(entry["sides"]) == {"fleet-mlx", "mlx-lm", "mlx_lm.server"}
+        for name, summary in entry["sides"].items():
+            assert summary["errors"] == 0, (name, summary["error_examples"])
+            assert summary["rounds"] == 2
+            assert summary["completion_tokens_p50"] == 6, name  # same greedy work on every side
+        assert set(entry["ratios"]) == {"mlx-lm", "mlx_lm.server"}
+        for ratio in entry["ratios"].values():
+            assert ratio["vs"] == "fleet-mlx"
+            assert all(positive(ratio[k]) for k in ("aggregate_tps", "ttft_s", "decode_tps_per_stream"))
+    table = report.compare_table(result)
+    assert table.count("\n") == 4 and "(" in table.splitlines()[3]
+
+
+def test_control_plane_measures_routing_nats_and_the_gateway_on_the_echo_engine(tmp_path: Path) -> None:
+    result = bench("control-plane", tmp_path, "--quick")
+    routing, nats, gateway = result["routing"], result["nats"], result["gateway"]
+    for value in (*routing.values(), *nats.values()):
+        if isinstance(value, float):
+            assert positive(value)
+    assert gateway["engine"].startswith("echo")
+    assert positive(gateway["chat_1_token_ms_p50"]) and positive(gateway["requests_per_s_16_in_flight"])
+    assert positive(gateway["stream_tokens_per_s_8_streams"])
+    assert report.other_lines({"control_plane": result})[0].startswith("- **Control plane**")
