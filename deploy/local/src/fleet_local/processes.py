@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,32 @@ class StartupError(RuntimeError):
     """A child process exited or did not become ready in time; the message names its log file."""
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS_FROM = 20000  # free ports are picked from here up to the ephemeral range
+
+
+def ephemeral_low(path: Path = EPHEMERAL_RANGE) -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux's default: 32768)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free now, below the ephemeral range: a port the OS picked (bind to 0) can be handed to
+    some outgoing connection before the server that was told it binds it (seen under test load)."""
+    low = ephemeral_low()
+    chooser = random.Random()
+    for _ in range(200):
+        port = chooser.randrange(LISTEN_PORTS_FROM, low) if low > LISTEN_PORTS_FROM + 1000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise StartupError(f"no free port on {host} below {low}")
 
 
 def spawn(
