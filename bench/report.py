@@ -22,6 +22,12 @@ def _find(workloads: dict, prompt: int | None, concurrency: int) -> dict | None:
     return min(matches, key=lambda e: e["workload"]["prompt_tokens"], default=None)
 
 
+def _prompt_size(entry: dict) -> int:
+    """Prompt tokens as the servers counted them (chat template included), else as asked for."""
+    counted = [s.get("prompt_tokens_p50", 0) for s in entry["sides"].values()]
+    return int(max(counted, default=0)) or entry["workload"]["prompt_tokens"]
+
+
 def _cell(entry: dict | None, side: str, metric: str, ratio_key: str, digits: int, scale: float = 1.0) -> str:
     if entry is None or side not in entry["sides"]:
         return "—"
@@ -42,7 +48,7 @@ def compare_table(compare: dict) -> str:
     long_1 = (
         _find(workloads, longest, 1) if short_1 and longest > short_1["workload"]["prompt_tokens"] else None
     )
-    p_short = short_1["workload"]["prompt_tokens"] if short_1 else "?"
+    p_short = _prompt_size(short_1) if short_1 else "?"
     header = [
         "side",
         "compared with",
@@ -51,7 +57,7 @@ def compare_table(compare: dict) -> str:
         "aggregate tok/s, 8 streams",
     ]
     if long_1:
-        header.append(f"TTFT ms, {longest}-token prompt")
+        header.append(f"TTFT ms, {_prompt_size(long_1)}-token prompt")
     header.append("peak memory MiB, 8 streams")
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for side, label in compare["sides"].items():

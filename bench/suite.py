@@ -1,5 +1,5 @@
 """The standard benchmark set (`make bench`): Fleet against its peers, the serving sweep, the control
-plane, the KV tiers and disaggregation, one after another, in about 15 minutes on a 2-core CPU.
+plane, the KV tiers and disaggregation, one after another, in about 12 minutes on a 2-core CPU.
 
     .venv/bin/fleet bench suite                 # writes bench/results/latest.json, plots, README table
     .venv/bin/fleet bench suite --no-readme     # leave the README as it is
