@@ -53,7 +53,6 @@ from plots import line_plot
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIDES = ("fleet-mlx", "mlx-lm", "mlx_lm.server", "fleet-vllm", "vllm", "llama.cpp")
 DEFAULT_WORKLOADS = "32x16@1,32x16@8,512x16@1"
-RATIO_METRICS = ("ttft_s_p50", "decode_tps_per_stream_p50", "aggregate_tps_p50")
 
 
 def missing_reason(name: str, tiny: bool) -> str:

@@ -83,7 +83,7 @@ def parse_workloads(text: str) -> list[Workload]:
     return workloads
 
 
-Counter = Callable[[str], int]
+TokenCounter = Callable[[str], int]
 """Counts the tokens of a text (a tokenizer's encode length)."""
 
 
@@ -91,7 +91,7 @@ def word_count(text: str) -> int:
     return len(text.split())
 
 
-def filler(n_tokens: int, salt: int, count: Counter = word_count) -> str:
+def filler(n_tokens: int, salt: int, count: TokenCounter = word_count) -> str:
     """A text that counts `n_tokens` tokens (as near as whole words allow), unique per salt: the
     salt leads, so no two requests share a cached prefix past the chat template."""
     words = [f"Note {salt}:"]
@@ -104,7 +104,7 @@ def filler(n_tokens: int, salt: int, count: Counter = word_count) -> str:
     return " ".join(words)
 
 
-def chat_prompt(n_tokens: int, salt: int, count: Counter = word_count) -> list[dict]:
+def chat_prompt(n_tokens: int, salt: int, count: TokenCounter = word_count) -> list[dict]:
     """One user turn of ~n_tokens tokens: a unique text, then the ask for a long answer."""
     ask = "Continue this story at length."
     body = filler(max(n_tokens - count(ask), 1), salt, count)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from loadgen import Counter, MemorySampler, RoundResult, StreamResult, http_round
+from loadgen import MemorySampler, RoundResult, StreamResult, TokenCounter, http_round
 
 RoundRunner = Callable[[list[list[dict]], int], Awaitable[RoundResult]]
 
@@ -70,7 +70,7 @@ def smollm2_gguf() -> Path | None:
     return Path(found[0]) if found else None
 
 
-def token_counter(model_dir: Path) -> Counter:
+def token_counter(model_dir: Path) -> TokenCounter:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
