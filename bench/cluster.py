@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,6 +85,19 @@ def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iter
     finally:
         stop_pid(worker.pid)
         stack.down(state_dir)
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder for a benchmark's servers, models and logs (see `discard`)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    print(f"scratch folder {path} (servers' logs under it; removed after a successful run)", flush=True)
+    return path
+
+
+def discard(scratch: Path) -> None:
+    """Remove a benchmark's temporary folder (servers' data, model copies) after a run that
+    succeeded; a failed run never gets here, so its logs stay for reading."""
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def write_result(out: Path, name: str, result: dict) -> Path:

@@ -26,13 +26,12 @@ import asyncio
 import math
 import os
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import REPO, serve_on, stage, two_workers, write_result
+from cluster import REPO, discard, scratch_dir, serve_on, stage, two_workers, write_result
 from loadgen import Workload, chat_prompt, paired_ratio, parse_workloads, summarize
 from peers import (
     VLLM_SERVER_ARGS,
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fleet_local.bootstrap import DEFAULT_SOURCE
 
-    state_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-compare-"))
+    state_dir = scratch_dir("fleet-bench-compare-")
     model, source = DEFAULT_MODEL, DEFAULT_SOURCE
     if args.tiny:
         sys.path.insert(0, str(REPO))
@@ -306,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         count = token_counter(model_dir)
         print(f"sides up in {time.monotonic() - started:.0f} s: {', '.join(s.name for s in sides)}")
         workloads_result = asyncio.run(run_all(sides, workloads, args.repeats, count))
+    discard(state_dir)
     result = {
         "model": model,
         "repeats": args.repeats,

@@ -22,14 +22,13 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import REPO, write_result
+from cluster import REPO, discard, scratch_dir, write_result
 from loadgen import percentile
 
 
@@ -302,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     scale = 10 if args.quick else 1
-    root = Path(tempfile.mkdtemp(prefix="fleet-bench-control-"))
+    root = scratch_dir("fleet-bench-control-")
     result = run_routing(root / "routing", 1000 // scale, 50_000 // scale, 5000 // scale)
     result["gateway"] = run_gateway(root / "gateway", 200 // scale, 480 // scale, 512 // scale)
+    discard(root)
     report(result)
     write_result(args.out, "control_plane", result)
     return 0

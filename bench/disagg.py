@@ -33,7 +33,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import REPO, call, serve_on, stage, two_workers, write_result
+from cluster import REPO, call, discard, scratch_dir, serve_on, stage, two_workers, write_result
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MODES = {"colocated": {"disaggregated": False}, "stream": {"disaggregated": True, "transport": "stream"}}
@@ -194,7 +194,7 @@ def main() -> int:
     from fleet_gateway.tokenizer import ChatTokenizer
     from fleet_local.bootstrap import DEFAULT_SOURCE
 
-    state_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-disagg-"))
+    state_dir = scratch_dir("fleet-bench-disagg-")
     model, source, layers, prefill_engine = SMOLLM2, DEFAULT_SOURCE, 30, "vllm"
     w2 = {
         "FLEET_NODE_ENGINES": "vllm",
@@ -239,6 +239,7 @@ def main() -> int:
         "transport": transport,
     }
     write_result(args.out, f"disagg-{'tiny' if args.tiny else 'smollm2'}", result)
+    discard(state_dir)
     return 0
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import REPO, delete, serve_on, stage, two_workers, write_result
+from cluster import REPO, delete, discard, scratch_dir, serve_on, stage, two_workers, write_result
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SYSTEM = " ".join(
@@ -137,7 +137,7 @@ def main() -> int:
     from fleet_store import ObjectStore, load_manifest
     from fleet_store.kv import block_hashes, manifest_fingerprint
 
-    state_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-kv-"))
+    state_dir = scratch_dir("fleet-bench-kv-")
     model, source, layers = DEFAULT_MODEL, DEFAULT_SOURCE, 30
     if args.tiny:
         sys.path.insert(0, str(REPO))
@@ -197,6 +197,7 @@ def main() -> int:
         f"({f['blocks']} blocks, {f['bytes'] / 1e6:.1f} MB): ratio {f['ratio_worker_over_raw']:.2f}"
     )
     write_result(args.out, f"kv-{'tiny' if args.tiny else 'smollm2'}", result)
+    discard(state_dir)
     return 0
 
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import REPO, call, delete, until, write_result
+from cluster import REPO, call, delete, discard, scratch_dir, until, write_result
 from loadgen import Workload, chat_prompt, parse_lengths, summarize, sweep, word_count
 from peers import Side, http_side, token_counter
 from plots import line_plot
@@ -105,12 +104,13 @@ async def capabilities_of(gateway: str) -> dict:
         return await call(session, "GET", f"{gateway}/capabilities")
 
 
-def start_fleet(stack: ExitStack, tiny: bool, engine: str) -> tuple[str, str, Path, list[int]]:
+def start_fleet(
+    stack: ExitStack, state_dir: Path, tiny: bool, engine: str
+) -> tuple[str, str, Path, list[int]]:
     from fleet_local import stack as fleet_stack
     from fleet_local.bootstrap import DEFAULT_SOURCE, stage_and_serve
     from fleet_local.processes import free_port
 
-    state_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-serve-"))
     model, source = DEFAULT_MODEL, DEFAULT_SOURCE
     if tiny:
         sys.path.insert(0, str(REPO))
@@ -165,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    scratch = scratch_dir("fleet-bench-serve-")
     with ExitStack() as stack:
         url, model, tokenizer, pids = args.url, args.model, args.tokenizer, list(args.pid)
         if args.fleet:
-            url, model, tokenizer, fleet_pids = start_fleet(stack, args.tiny, args.engine)
+            url, model, tokenizer, fleet_pids = start_fleet(stack, scratch, args.tiny, args.engine)
             pids += fleet_pids
         if args.ensure_cuda and not cuda_vllm_nodes(asyncio.run(capabilities_of(url))):
             raise SystemExit("--ensure-cuda: no CUDA node of this Fleet cluster offers vLLM")
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         side = http_side("target", url, "", url, model, pids)
         print(f"sweeping {model} at {url}: {len(workloads)} workloads x {args.repeats} rounds")
         results = asyncio.run(run_sweep(side, workloads, args.repeats, args.warmup, count))
+    discard(scratch)
     result = {
         "url": url,
         "model": model,
