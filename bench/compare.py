@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import REPO, discard, scratch_dir, serve_on, stage, two_workers, write_result
-from loadgen import Workload, chat_prompt, paired_ratio, parse_workloads, summarize
+from loadgen import Workload, chat_prompt, paired_ratio, parse_workloads, round_prompts, summarize
 from peers import (
     VLLM_SERVER_ARGS,
     MlxDirect,
@@ -48,6 +47,7 @@ from peers import (
     wait_served,
 )
 from plots import line_plot
+from report import number
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIDES = ("fleet-mlx", "mlx-lm", "mlx_lm.server", "fleet-vllm", "vllm", "llama.cpp")
@@ -129,7 +129,7 @@ def build_sides(
         launched[name] = launch(stack, name, command(port), port, logs, env)
     if mlx_wanted and vllm_wanted:  # the staged folder as the source: no second conversion
         placed(gateway, vllm_model, f"file://{model_dir}", *on_w2[2:])
-    asyncio.run(wait_served(list(launched.values())))
+    wait_served(list(launched.values()))
     mlx_limit = {"max_prompt_tokens": mlx_max_prompt}
     llamacpp_baseline = "fleet-vllm" if "fleet-vllm" in names else "fleet-mlx"
     sides: list[Side] = []
@@ -179,10 +179,7 @@ async def run_all(sides: list[Side], workloads: list[Workload], repeats: int, co
         for repeat in range(repeats):
             for index, side in enumerate(active):
                 salt = 1 + repeat * 10_000 + index * 1_000
-                prompts = [
-                    chat_prompt(workload.prompt_tokens, salt + i, count) for i in range(workload.concurrency)
-                ]
-                measured = await side.measure(prompts, workload.gen_tokens)
+                measured = await side.measure(round_prompts(workload, salt, count), workload.gen_tokens)
                 rounds[side.name].append(measured)
                 done = f"round {repeat + 1}/{repeats}: {measured.wall_s:.1f} s"
                 print(f"  {workload.label:>12} {side.name:14} {done}", flush=True)
@@ -204,21 +201,11 @@ async def run_all(sides: list[Side], workloads: list[Workload], repeats: int, co
     return results
 
 
-def fmt(value: float, scale: float = 1.0, digits: int = 1) -> str:
-    return (
-        "—"
-        if value is None or (isinstance(value, float) and math.isnan(value))
-        else f"{value * scale:.{digits}f}"
-    )
-
-
 def ratio_text(ratio: dict | None) -> str:
     if not ratio:
         return ""
-    ttft, decode = fmt(ratio["ttft_s"], digits=2), fmt(ratio["decode_tps_per_stream"], digits=2)
-    return (
-        f"vs {ratio['vs']}: TTFT {ttft}, tok/s/stream {decode}, agg {fmt(ratio['aggregate_tps'], digits=2)}"
-    )
+    ttft, decode = number(ratio["ttft_s"], 2), number(ratio["decode_tps_per_stream"], 2)
+    return f"vs {ratio['vs']}: TTFT {ttft}, tok/s/stream {decode}, agg {number(ratio['aggregate_tps'], 2)}"
 
 
 def report(result: dict) -> None:
@@ -228,10 +215,10 @@ def report(result: dict) -> None:
     for label, entry in result["workloads"].items():
         for name, s in entry["sides"].items():
             cells = (
-                fmt(s["ttft_s_p50"], 1000, 0),
-                fmt(s["decode_tps_per_stream_p50"]),
-                fmt(s["aggregate_tps_p50"]),
-                fmt(s["peak_rss_bytes"], 2**-20, 0),
+                number(s["ttft_s_p50"], 0, 1000),
+                number(s["decode_tps_per_stream_p50"]),
+                number(s["aggregate_tps_p50"]),
+                number(s["peak_rss_bytes"], 0, 2**-20),
             )
             errors = f" ({s['errors']} errors)" if s["errors"] else ""
             row = " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, columns, strict=True))

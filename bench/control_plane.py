@@ -175,10 +175,8 @@ async def chat(
         if not stream:
             tokens = (await response.json())["usage"]["completion_tokens"]
         else:
-            first = 0.0
             async for line in response.content:
                 if line.startswith(b"data: {") and b'"content"' in line:
-                    first = first or time.perf_counter()
                     tokens += 1
     return time.perf_counter() - started, tokens
 

@@ -111,6 +111,11 @@ def chat_prompt(n_tokens: int, salt: int, count: TokenCounter = word_count) -> l
     return [{"role": "user", "content": f"{body} {ask}"}]
 
 
+def round_prompts(workload: Workload, first_salt: int, count: TokenCounter = word_count) -> list[list[dict]]:
+    """One unique prompt per concurrent stream of a round (salts first_salt, first_salt + 1, ...)."""
+    return [chat_prompt(workload.prompt_tokens, first_salt + i, count) for i in range(workload.concurrency)]
+
+
 @dataclass
 class StreamResult:
     """One request, timed from sending it: first and last token offsets in seconds."""

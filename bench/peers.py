@@ -21,7 +21,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 from loadgen import MemorySampler, RoundResult, StreamResult, TokenCounter, http_round
 
 RoundRunner = Callable[[list[list[dict]], int], Awaitable[RoundResult]]
@@ -144,22 +143,6 @@ class MlxDirect:
 # --- servers ------------------------------------------------------------------------------------------
 
 
-async def wait_models(url: str, process: subprocess.Popen, timeout_s: float, name: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {process.returncode}")
-            try:
-                async with session.get(f"{url}/v1/models") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(1)
-    raise RuntimeError(f"{name} did not answer within {timeout_s:.0f} s")
-
-
 @dataclass
 class Launched:
     name: str
@@ -172,31 +155,20 @@ def launch(
     stack: ExitStack, name: str, command: list[str], port: int, log_dir: Path, env: dict[str, str]
 ) -> Launched:
     """Start a peer server on 127.0.0.1:port; it is stopped by PID when `stack` closes."""
-    from fleet_local.processes import stop_pid
+    from fleet_local.processes import spawn, stop_pid
 
     log = log_dir / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(
-        command,
-        env={**os.environ, **env},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    process = spawn(command, log, {**os.environ, **env})
     stack.callback(stop_pid, process.pid)
     return Launched(name, f"http://127.0.0.1:{port}", process, log)
 
 
-async def wait_served(launched: list[Launched], timeout_s: float = 600) -> None:
-    """Until every launched server answers /v1/models (they load side by side)."""
+def wait_served(launched: list[Launched], timeout_s: float = 600) -> None:
+    """Until every launched server answers /v1/models (they load side by side meanwhile)."""
+    from fleet_local.processes import wait_http
 
-    async def one(server: Launched) -> None:
-        try:
-            await wait_models(server.url, server.process, timeout_s, server.name)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}; see {server.log}") from None
-
-    await asyncio.gather(*(one(s) for s in launched))
+    for server in launched:
+        wait_http(server.process, server.name, server.log, f"{server.url}/v1/models", timeout_s)
 
 
 def mlx_server_command(model_dir: Path, port: int) -> list[str]:

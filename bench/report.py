@@ -8,7 +8,8 @@ BEGIN = "<!-- bench:begin (written by make bench; edits are overwritten) -->"
 END = "<!-- bench:end -->"
 
 
-def _num(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
+def number(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    """value * scale with thousands separators, or a dash for a missing (None / NaN) figure."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "—"
     return f"{value * scale:,.{digits}f}"
@@ -31,7 +32,7 @@ def _prompt_size(entry: dict) -> int:
 def _cell(entry: dict | None, side: str, metric: str, ratio_key: str, digits: int, scale: float = 1.0) -> str:
     if entry is None or side not in entry["sides"]:
         return "—"
-    value = _num(entry["sides"][side][metric], digits, scale)
+    value = number(entry["sides"][side][metric], digits, scale)
     ratio = entry["ratios"].get(side)
     if ratio is not None and not math.isnan(ratio[ratio_key]):
         value += f" ({ratio[ratio_key]:.2f})"
@@ -72,7 +73,7 @@ def compare_table(compare: dict) -> str:
         if long_1:
             cells.append(_cell(long_1, side, "ttft_s_p50", "ttft_s", 0, 1000))
         memory = short_8["sides"].get(side, {}).get("peak_rss_bytes") if short_8 else None
-        cells.append(_num(memory, 0, 2**-20) if memory else "—")
+        cells.append(number(memory, 0, 2**-20) if memory else "—")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -30,7 +30,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import REPO, call, delete, discard, scratch_dir, until, write_result
-from loadgen import Workload, chat_prompt, parse_lengths, summarize, sweep, word_count
+from loadgen import Workload, chat_prompt, parse_lengths, round_prompts, summarize, sweep, word_count
 from peers import Side, http_side, token_counter
 from plots import line_plot
 
@@ -45,11 +45,8 @@ async def run_sweep(side: Side, workloads: list[Workload], repeats: int, warmup:
     for workload in workloads:
         rounds = []
         for _ in range(repeats):
-            prompts = [
-                chat_prompt(workload.prompt_tokens, salt + i, count) for i in range(workload.concurrency)
-            ]
+            rounds.append(await side.measure(round_prompts(workload, salt, count), workload.gen_tokens))
             salt += workload.concurrency
-            rounds.append(await side.measure(prompts, workload.gen_tokens))
         summary = summarize(rounds)
         results[workload.label] = {"workload": vars(workload), **summary}
         print(
