@@ -67,13 +67,10 @@ def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iter
     from fleet_local.processes import free_port, spawn, stop_pid
 
     os.environ |= {"FLEET_NODE_ID": "w1", **w1}
-    manifest = stack.up(state_dir, gateway_port=free_port())
-    servers = {p.name: p.url for p in manifest.processes}
+    manifest = stack.up(state_dir, gateway_port=free_port(), auth=False)
     env = {
         **os.environ,
-        "FLEET_NATS_URL": manifest.nats_url,
-        "FLEET_S3_ENDPOINT": servers["s3"],
-        "FLEET_REDIS_URL": servers["redis"],
+        **manifest.env,  # the servers and their credentials
         "FLEET_STATE_DIR": str(state_dir / "w2"),
         "FLEET_HEALTH_PORT": "0",
         "FLEET_NODE_ID": "w2",

@@ -257,7 +257,7 @@ def run_gateway(root: Path, sequential: int, concurrent: int, stream_tokens: int
 
     os.environ["FLEET_NODE_ENGINES"] = "echo"  # the worker offers only the echo engine
     source = f"file://{make_chat_model(root / 'tiny-src', max_positions=4096)}"  # room for long streams
-    manifest = stack.up(root / "stack", gateway_port=free_port())
+    manifest = stack.up(root / "stack", gateway_port=free_port(), auth=False)
     try:
         stage_and_serve(manifest.gateway_url, "tiny/echo", source, 300, print, engine="echo")
         return asyncio.run(

@@ -86,7 +86,7 @@ async def ttft(gateway: str, nats_url: str, model: str, question: str) -> dict:
     }
 
 
-def fetch_rates(s3_url: str, fingerprint: str, hashes: list[str], repeats: int) -> dict:
+def fetch_rates(settings, fingerprint: str, hashes: list[str], repeats: int) -> dict:
     """The worker's tier-2 fetch path vs raw minio gets of the same objects, alternating."""
     from minio import Minio
 
@@ -95,8 +95,14 @@ def fetch_rates(s3_url: str, fingerprint: str, hashes: list[str], repeats: int) 
     from fleet_store.kv_index import object_key
     from fleet_worker.kv_tier import WorkerKV
 
-    store = ObjectStore(s3_url)
-    raw = Minio(s3_url.removeprefix("http://"), secure=False, region="us-east-1")
+    store = ObjectStore.from_settings(settings)
+    raw = Minio(
+        settings.s3_endpoint,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key,
+        secure=False,
+        region=settings.s3_region,
+    )
     sizes = sum(raw.stat_object(KV_BUCKET, object_key(fingerprint, h)).size for h in hashes)
     worker_s, raw_s = [], []
     try:
@@ -133,6 +139,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
 
+    from fleet_local import stack as fleet_stack
     from fleet_local.bootstrap import DEFAULT_SOURCE
     from fleet_store import ObjectStore, load_manifest
     from fleet_store.kv import block_hashes, manifest_fingerprint
@@ -147,7 +154,7 @@ def main() -> int:
         source = f"file://{make_chat_model(state_dir / 'tiny-src', max_positions=8192)}"
     with two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, {}) as (manifest, _):
         gateway = manifest.gateway_url
-        s3_url = next(p.url for p in manifest.processes if p.name == "s3")
+        servers = fleet_stack.connection_settings(manifest)
 
         async def run() -> dict:
             await stage(gateway, model, source)
@@ -161,7 +168,7 @@ def main() -> int:
 
         print(f"staging {model} and serving it on w1 (SmolLM2: a cold 2,000-token MLX prefill takes minutes)")
         result = asyncio.run(run())
-        store = ObjectStore(s3_url)
+        store = ObjectStore.from_settings(servers)
         fingerprint = manifest_fingerprint(load_manifest(store, "fleet-models", model, "main"))
         store.close()
         sys.path.insert(0, str(REPO))
@@ -178,7 +185,7 @@ def main() -> int:
             )
             if h == other
         ]
-        result["fetch"] = fetch_rates(s3_url, fingerprint, shared, args.repeats)
+        result["fetch"] = fetch_rates(servers, fingerprint, shared, args.repeats)
     cold = result["cold"]["ttft_s"]
     result |= {
         "model": model,

@@ -114,7 +114,7 @@ def start_fleet(
         from tests.support import make_chat_model
 
         model, source = "tiny/llama-serve", f"file://{make_chat_model(state_dir / 'tiny-src', hidden=128)}"
-    manifest = fleet_stack.up(state_dir, gateway_port=free_port())
+    manifest = fleet_stack.up(state_dir, gateway_port=free_port(), auth=False)
     stack.callback(fleet_stack.down, state_dir)
     stage_and_serve(manifest.gateway_url, model, source, 1200, print, engine=engine)
     model_dir = state_dir / "models" / model / "main"

@@ -96,13 +96,17 @@ def embedded_stack(
     model_dir: Path | None = None,
     engine: str = "",
     env: Mapping[str, str] | None = None,
+    auth: bool = False,
 ) -> Iterator[stack.StackManifest]:
     """`fleet up --detach` serving `model` from `model_dir` (on `engine`; no model: `model` ""),
-    stopped by PID afterwards."""
+    stopped by PID afterwards. The servers always run with credentials; the gateway's API keys are
+    on only with `auth` (tests of other things call it without keys)."""
     command = [
         sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
         "--port", str(free_port()), "--model", model,
     ]  # fmt: skip
+    if not auth:
+        command.append("--no-auth")
     if model:
         command += ["--model-source", f"file://{model_dir}"]
     if engine:
@@ -157,12 +161,9 @@ def mlx_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]
 def worker_env(manifest: stack.StackManifest, node_id: str, state: Path, **fleet: str) -> dict[str, str]:
     """The environment of an extra engine-worker joining `manifest`'s stack as `node_id`; `fleet`
     adds FLEET_<NAME> settings (node_engines="mlx" -> FLEET_NODE_ENGINES=mlx)."""
-    servers = {p.name: p.url for p in manifest.processes}
     return {
         **os.environ,
-        "FLEET_NATS_URL": manifest.nats_url,
-        "FLEET_S3_ENDPOINT": servers["s3"],
-        "FLEET_REDIS_URL": servers["redis"],
+        **manifest.env,  # the servers and their credentials
         "FLEET_STATE_DIR": str(state),
         "FLEET_HEALTH_PORT": "0",
         "FLEET_NODE_ID": node_id,

@@ -107,3 +107,37 @@ def test_workers_serve_kv_handoffs_on_the_compose_network(config: dict, worker: 
     env = config["services"][worker]["environment"]
     assert env["FLEET_HANDOFF_HOST"] == "0.0.0.0" and env["FLEET_HANDOFF_PORT"] == "8900"
     assert env["FLEET_NATS_URL"] == "nats://nats:4222"  # the shared settings still apply
+
+
+SECRETS_DIR = "/run/fleet-secrets/"
+
+
+def test_no_credential_is_written_in_the_file() -> None:
+    text = COMPOSE_FILE.read_text()
+    for leaked in ("fleet-dev-", "PASSWORD:", "SECRET_KEY:", '--requirepass "fleet'):
+        assert leaked not in text, leaked
+
+
+@pytest.mark.parametrize("name", (*FLEET_SERVICES, "engine-worker-vllm"))
+def test_services_read_their_credentials_from_the_generated_secret_files(config: dict, name: str) -> None:
+    service = config["services"][name]
+    env = service["environment"]
+    assert env["FLEET_NATS_PASSWORD_FILE"].startswith(SECRETS_DIR)
+    assert env["FLEET_S3_SECRET_KEY_FILE"].startswith(SECRETS_DIR)
+    assert env["FLEET_REDIS_PASSWORD_FILE"].startswith(SECRETS_DIR)
+    assert "fleet-secrets:/run/fleet-secrets:ro" in service["volumes"]
+    assert service["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully"
+
+
+def test_the_gateway_needs_keys_and_the_servers_their_passwords(config: dict) -> None:
+    services = config["services"]
+    gateway = services["gateway"]["environment"]
+    assert gateway["FLEET_API_KEYS_FILE"] == SECRETS_DIR + "api_key"
+    assert gateway["FLEET_ADMIN_KEYS_FILE"] == SECRETS_DIR + "admin_key"
+    init = " ".join(services["secrets-init"]["entrypoint"])
+    for name in ("nats_password", "minio_password", "redis_password", "api_key", "admin_key"):
+        assert name in init
+    assert "umask 077" in init and "chmod 0600" in init
+    assert "nats_password" in " ".join(services["nats"]["entrypoint"])
+    assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD_FILE"] == SECRETS_DIR + "minio_password"
+    assert "--requirepass" in " ".join(services["redis"]["entrypoint"])

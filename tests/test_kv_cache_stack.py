@@ -129,8 +129,14 @@ def redis_url(manifest: stack.StackManifest) -> str:
 
 
 def s3_client(manifest: stack.StackManifest) -> Minio:
-    endpoint = next(p.url for p in manifest.processes if p.name == "s3")
-    return Minio(endpoint.removeprefix("http://"), secure=False, region="us-east-1")
+    settings = stack.connection_settings(manifest)
+    return Minio(
+        settings.s3_endpoint,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key,
+        secure=False,
+        region="us-east-1",
+    )
 
 
 async def test_prefill_once_fetch_from_object_storage_route_to_memory(two_workers) -> None:
@@ -147,7 +153,7 @@ async def test_prefill_once_fetch_from_object_storage_route_to_memory(two_worker
     assert decided.reply.worker_id == "w1" and cached == 0
     assert tokens == mlx_greedy(model_dir, prompt, 10)
 
-    store = ObjectStore(next(p.url for p in manifest.processes if p.name == "s3"))
+    store = ObjectStore.from_settings(stack.connection_settings(manifest))
     fingerprint = manifest_fingerprint(load_manifest(store, "fleet-models", MODEL, "main"))
     store.close()
     shared = block_hashes(fingerprint, prompt, BLOCK)[: (len(prompt) - 1) // BLOCK]

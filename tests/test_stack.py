@@ -60,14 +60,20 @@ def test_all_five_services_report_healthy(running_stack):
     assert all(row["healthy"] for row in rows.values())
 
 
-async def get_json(url: str) -> dict:
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
+def keyed(manifest: stack.StackManifest) -> dict[str, str]:
+    """`fleet up` turns the gateway's keys on: reads need the API key it generated."""
+    assert manifest.api_key
+    return {"Authorization": f"Bearer {manifest.api_key}"}
+
+
+async def get_json(url: str, headers: dict[str, str]) -> dict:
+    async with aiohttp.ClientSession(headers=headers) as session, session.get(url) as response:
         assert response.status == 200
         return await response.json()
 
 
 async def test_state_lists_the_workers_node_and_every_service(running_stack):
-    state = await get_json(f"{running_stack.gateway_url}/state")
+    state = await get_json(f"{running_stack.gateway_url}/state", keyed(running_stack))
     assert len(state["nodes"]) == 1
     node = next(iter(state["nodes"].values()))
     assert node["cpu_count"] == os.cpu_count()
@@ -89,7 +95,7 @@ async def test_events_are_readable_json_on_nats_and_on_sse(running_stack):
         assert json.loads(metrics.data)["memory_available_bytes"] > 0
 
         async with (
-            aiohttp.ClientSession() as session,
+            aiohttp.ClientSession(headers=keyed(running_stack)) as session,
             session.get(f"{running_stack.gateway_url}/events") as sse,
         ):
             assert sse.headers["Content-Type"].startswith("text/event-stream")
@@ -115,12 +121,12 @@ async def test_sigterm_stops_a_service_cleanly_and_it_says_so(running_stack):
     while pid_alive(worker.pid, worker.started_at) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert not pid_alive(worker.pid, worker.started_at)
-    state = await get_json(f"{running_stack.gateway_url}/state")
+    state = await get_json(f"{running_stack.gateway_url}/state", keyed(running_stack))
     for _ in range(50):
         if not state["nodes"]:
             break
         await asyncio.sleep(0.1)
-        state = await get_json(f"{running_stack.gateway_url}/state")
+        state = await get_json(f"{running_stack.gateway_url}/state", keyed(running_stack))
     assert state["nodes"] == {}  # NodeLeft published on shutdown
     assert "engine-worker" not in {s["kind"] for s in state["services"].values()}  # ServiceStopped
     assert "stopping" in Path(worker.log_path).read_text()

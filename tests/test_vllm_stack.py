@@ -246,7 +246,7 @@ async def test_vllm_prefills_and_mlx_decodes_a_disaggregated_request(
 
 
 def load_manifest_of(manifest: stack.StackManifest, model: str):
-    store = ObjectStore(next(p.url for p in manifest.processes if p.name == "s3"))
+    store = ObjectStore.from_settings(stack.connection_settings(manifest))
     try:
         return load_manifest(store, "fleet-models", model, "main")
     finally:

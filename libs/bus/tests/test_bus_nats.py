@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -229,6 +230,57 @@ async def test_token_stream_ends_within_seconds_when_the_producer_is_dead(fresh_
             [c async for c in reader.chunks()]
         assert time.monotonic() - started < 2
         await reader.close()
+    finally:
+        await bus.close()
+
+
+async def test_a_reader_cancelled_while_opening_leaves_the_connection_working(fresh_nats):
+    """A client that hangs up while the gateway opens its token stream cancels open() in flush():
+    nats-py would leave the cancelled PONG future queued, and resolving it when the PONG comes
+    kills the client's read loop (InvalidStateError), so nothing is received any more (the soak
+    found it: every request after it failed). Nor may the subscription outlive the reader."""
+    bus = await connected(fresh_nats.url)
+    try:
+        baseline = len(bus.nc._subs)
+        for yields in range(8):  # cancel at each await open() passes through, flush's wait included
+            opening = asyncio.ensure_future(TokenStreamReader(bus, f"r-{yields}", stall_timeout_s=1).open())
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await opening
+        await asyncio.sleep(0.2)  # the PONGs of the cancelled flushes arrive
+        reader = await asyncio.wait_for(TokenStreamReader(bus, "r-after", stall_timeout_s=1).open(), 2)
+        await publish_chunk(bus, TokenChunk(request_id="r-after", index=0, finish_reason="stop"))
+        assert [c.finish_reason async for c in reader.chunks()] == ["stop"]
+        await reader.close()
+        assert len(bus.nc._subs) == baseline
+    finally:
+        await bus.close()
+
+
+async def collect_chunks(reader: TokenStreamReader) -> list[TokenChunk]:
+    return [chunk async for chunk in reader.chunks()]
+
+
+async def test_a_cancel_that_comes_with_a_chunk_is_not_swallowed(fresh_nats):
+    """The gateway's handler is cancelled when its client hangs up; if that lands as a chunk
+    arrives, the wait_for inside nats-py's next_msg (Python 3.11) returns the chunk and drops the
+    cancel: the reader must still stop (else the request runs to its end for nobody)."""
+    bus = await connected(fresh_nats.url)
+    try:
+        for n in range(40):  # the cancel at each point of the chunk's way in
+            reader = await TokenStreamReader(bus, f"r-{n}", stall_timeout_s=5).open()
+            reading = asyncio.ensure_future(collect_chunks(reader))
+            await asyncio.sleep(0.01)
+            await publish_chunk(bus, TokenChunk(request_id=f"r-{n}", index=0, token_ids=(1,)))
+            await bus.nc.flush()
+            for _ in range(n % 10):
+                await asyncio.sleep(0)
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(reading, 1)  # TimeoutError here: the cancel was swallowed
+            await reader.close()
     finally:
         await bus.close()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from fleet_proto import Instance, InstancePlaced, InstanceReady, ModelCard, ModelStaged, RouteRequest, replay
 from fleet_proto.routing import route
 
@@ -132,3 +134,15 @@ def test_a_cache_hit_does_not_beat_a_much_busier_instance():
     state = state_of(*ready("a", node="n1"), *ready("b", node="n2"))
     long_prompt = RouteRequest(request_id="r", model_id="m", prompt_tokens=2000)
     assert route(state, long_prompt, {"a": 0, "b": 5000}, cached={"n2": 1792}).instance_id == "a"
+
+
+def test_avoided_nodes_are_not_routed_to_nor_asked_to_prefill():
+    state = state_of(*ready("a"), *ready("b"), *ready("p", engine="vllm", role="prefill"))
+    request = msgspec.structs.replace(REQUEST, prompt_tokens=5000, avoid_nodes=("n-a",))
+    reply = route(state, request, {"a": 0, "b": 900})
+    assert reply.instance_id == "b" and reply.prefill_instance_id == "p"
+    avoiding_all = msgspec.structs.replace(request, avoid_nodes=("n-a", "n-b", "n-p"))
+    refused = route(state, avoiding_all, {})
+    assert not refused.instance_id and refused.error == "no ready instance of m off nodes n-a, n-b, n-p"
+    no_prefill = msgspec.structs.replace(request, avoid_nodes=("n-p",))
+    assert route(state, no_prefill, {}).prefill_instance_id == "b"  # the next best, not the avoided p

@@ -37,3 +37,22 @@ async def test_health_checks_report_each_failure():
     healthy, results = await run_checks({"a": ok, "b": broken})
     assert not healthy
     assert results == {"a": "ok", "b": "error: redis down"}
+
+
+def test_a_setting_can_come_from_a_file(tmp_path):
+    secret = tmp_path / "nats_password"
+    secret.write_text("s3cret\n")
+    settings = load_settings({"FLEET_NATS_PASSWORD_FILE": str(secret), "FLEET_NATS_PASSWORD": "ignored"})
+    assert settings.nats_password == "s3cret"  # the file wins, without its newline
+
+
+def test_an_unreadable_secret_file_is_a_clear_error(tmp_path):
+    with pytest.raises(SettingsError, match=r"FLEET_API_KEYS_FILE=.*cannot read it"):
+        load_settings({"FLEET_API_KEYS_FILE": str(tmp_path / "missing")})
+
+
+def test_the_redis_password_goes_into_the_url():
+    settings = load_settings({"FLEET_REDIS_URL": "redis://redis:6379/0", "FLEET_REDIS_PASSWORD": "p@ss/word"})
+    assert settings.redis_url == "redis://:p%40ss%2Fword@redis:6379/0"
+    again = load_settings({"FLEET_REDIS_URL": settings.redis_url, "FLEET_REDIS_PASSWORD": "new"})
+    assert again.redis_url == "redis://:new@redis:6379/0"

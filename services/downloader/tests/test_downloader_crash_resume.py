@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 from fleet_bus import Bus, ensure_streams
 from fleet_local.processes import spawn, stop_pid
 from fleet_proto import DownloadModel
-from fleet_store import MODELS_BUCKET, ObjectStore, fetch_model, load_manifest
+from fleet_store import MODELS_BUCKET, ObjectStore, fetch_model, load_manifest, manifest_key
 
 MiB = 2**20
 FILE_MB = 512  # two weight files: 1 GiB in all
@@ -96,6 +96,10 @@ async def test_a_killed_downloader_is_resumed_by_the_next_without_reuploading_fi
                 uploaded_before_kill = event["done_bytes"]
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+        half_staged = ObjectStore(endpoint=s3_server.url, access_key="", secret_key="", secure=False)
+        # the manifest is written last: a half-staged model has none, so no worker can load it
+        assert not half_staged.exists(MODELS_BUCKET, manifest_key(model_id, "main"))
+        half_staged.close()
         while not events.empty():
             events.get_nowait()
 

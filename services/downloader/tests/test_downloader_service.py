@@ -227,12 +227,14 @@ async def test_an_already_staged_model_is_done_without_uploading_again(
 ):
     bus = await connected(fresh_nats.url)
     model_id = unique_model_id()
-    command = DownloadModel(command_id="same", model_id=model_id, source=f"file://{tiny_folder}")
+    command = DownloadModel(command_id="first", model_id=model_id, source=f"file://{tiny_folder}")
+    # a second command for the same model (the same command_id would be dropped as a duplicate)
+    again = msgspec.structs.replace(command, command_id="second")
     try:
         async with downloader_task(bus, store, tmp_path / "work"), progress_events(bus) as events:
             await bus.publish_command(command)
             first_events = await until_final_events(events, model_id)
-            await bus.publish_command(command)
+            await bus.publish_command(again)
             second_events = await until_final_events(events, model_id)
             await command_acked(bus)
     finally:

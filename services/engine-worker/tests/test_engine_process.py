@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from fleet_proto import SamplingParams
-from fleet_worker.engine_process import EngineLoadError, EngineProcess, EngineProcessExited
+from fleet_worker.engine_process import EngineLoadError, EngineProcess, EngineProcessExited, describe_exit
 from fleet_worker.engines.base import EngineOutput, EngineRequest
 
 from .tiny_model import make_tiny_llama
@@ -126,7 +126,16 @@ async def test_killed_child_fails_in_flight_requests(model_dir: Path):
         rest = [o async for o in outputs]
     final = rest[-1]
     assert (final.request_id, final.finish_reason) == ("doomed", "error")
-    assert final.error == f"engine process exited with code {-signal.SIGKILL}"
+    assert final.error.startswith("engine process was killed by SIGKILL (out of memory?")
+    assert process.exit_reason == final.error
     assert all(not o.finish_reason for o in rest[:-1])
     assert not process.alive
     await process.stop()  # a no-op on an exited child
+
+
+def test_exit_codes_are_described_in_words():
+    assert describe_exit(0) == "engine process exited with code 0"
+    assert describe_exit(3) == "engine process exited with code 3"
+    assert describe_exit(-signal.SIGSEGV) == "engine process was killed by SIGSEGV"
+    assert "OOM killer" in describe_exit(-signal.SIGKILL)
+    assert describe_exit(None) == "engine process is gone"

@@ -458,3 +458,17 @@ async def test_error_middleware_renders_openai_errors() -> None:
         assert wrong_method.headers["Allow"] == "POST"
         ok = await client.get("/fine")
         assert ok.status == 200 and await ok.json() == {"ok": True}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        b'{"model": "m", "messages": [], "temperature": NaN}',
+        b"\x00\x01",
+    ],
+)
+def test_bodies_that_are_not_json_text_are_400(body: bytes):
+    with pytest.raises(ApiError) as refused:
+        parse_chat_request(body)
+    assert refused.value.status == 400

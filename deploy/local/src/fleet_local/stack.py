@@ -16,7 +16,9 @@ from pathlib import Path
 import msgspec
 import psutil
 
+from fleet_local import secrets
 from fleet_local.processes import StartupError, free_port, pid_alive, process_started_at, spawn, wait_http
+from fleet_local.secrets import StackSecrets
 from fleet_local.servers import ServerHandle, start_nats, start_redis, start_s3
 from fleet_runtime.settings import Settings, load_settings, settings_env
 
@@ -32,10 +34,17 @@ SERVICES: tuple[tuple[str, str], ...] = (
 
 
 class StackManifest(msgspec.Struct, kw_only=True):
+    """What `fleet up` started. It holds credentials, so stack.json is written 0600."""
+
     state_dir: str
     gateway_url: str = ""
     metrics_url: str = ""
-    nats_url: str = ""
+    nats_url: str = ""  # with the user and password in it, as the nats CLI and nats-py take it
+    # The gateway's keys ("" when started with --no-auth).
+    api_key: str = ""
+    admin_key: str = ""
+    # FLEET_* connection settings (servers and their credentials) for a process joining the stack.
+    env: dict[str, str] = {}
     processes: list[ServerHandle] = []
 
 
@@ -50,11 +59,9 @@ def read_manifest(state_dir: Path) -> StackManifest | None:
     return msgspec.json.decode(path.read_bytes(), type=StackManifest)
 
 
-def _write_manifest(manifest: StackManifest) -> None:
-    path = manifest_path(Path(manifest.state_dir))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
-    tmp.replace(path)
+def write_manifest(manifest: StackManifest) -> None:
+    encoded = msgspec.json.format(msgspec.json.encode(manifest))
+    secrets.write_private(manifest_path(Path(manifest.state_dir)), encoded)
 
 
 def running(manifest: StackManifest) -> list[ServerHandle]:
@@ -70,15 +77,47 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def connection_env(
+    nats: ServerHandle, s3: ServerHandle, redis: ServerHandle, creds: StackSecrets
+) -> dict[str, str]:
+    """The FLEET_* variables that reach the embedded servers, credentials included."""
+    return {
+        "FLEET_NATS_URL": nats.url,
+        "FLEET_NATS_USER": creds.nats_user,
+        "FLEET_NATS_PASSWORD": creds.nats_password,
+        "FLEET_S3_ENDPOINT": s3.url,
+        "FLEET_S3_ACCESS_KEY": creds.s3_access_key,
+        "FLEET_S3_SECRET_KEY": creds.s3_secret_key,
+        "FLEET_REDIS_URL": redis.url,
+    }
+
+
+def connection_settings(manifest: StackManifest) -> Settings:
+    """Settings that reach `manifest`'s servers with their credentials (ObjectStore.from_settings...)."""
+    return load_settings(manifest.env)
+
+
+def nats_url_with_credentials(url: str, creds: StackSecrets) -> str:
+    return url.replace("nats://", f"nats://{creds.nats_user}:{creds.nats_password}@", 1)
+
+
 def _service_settings(
-    state_dir: Path, nats: ServerHandle, s3: ServerHandle, redis: ServerHandle, port: int
+    state_dir: Path, connection: dict[str, str], port: int, auth: StackSecrets | None
 ) -> Settings:
-    """The user's FLEET_* settings (node overrides, log level...) with the embedded servers' addresses."""
+    """The user's FLEET_* settings (node overrides, log level...) with the embedded servers' addresses
+    and credentials, and the gateway's keys unless auth is off."""
+    user, connected = load_settings(), load_settings(connection)
+    servers = {f: getattr(connected, f) for f in (name.removeprefix("FLEET_").lower() for name in connection)}
+    keys = {"api_keys": "", "admin_keys": ""}
+    if auth is not None:  # the generated keys, and any the user's FLEET_API_KEYS / FLEET_ADMIN_KEYS add
+        keys = {
+            "api_keys": ",".join(filter(None, (auth.api_key, user.api_keys))),
+            "admin_keys": ",".join(filter(None, (auth.admin_key, user.admin_keys))),
+        }
     return msgspec.structs.replace(
-        load_settings(),
-        nats_url=nats.url,
-        s3_endpoint=s3.url,
-        redis_url=redis.url,
+        user,
+        **servers,
+        **keys,
         gateway_host="127.0.0.1",
         gateway_port=port,
         metrics_port=free_port(),
@@ -86,8 +125,11 @@ def _service_settings(
     )
 
 
-def up(state_dir: Path, gateway_port: int = 8000, timeout_s: float = 120.0) -> StackManifest:
-    """Start everything and return once every service answers /health; on failure, stop what started."""
+def up(
+    state_dir: Path, gateway_port: int = 8000, timeout_s: float = 120.0, auth: bool = True
+) -> StackManifest:
+    """Start everything and return once every service answers /health; on failure, stop what started.
+    Every server runs with the generated credentials; `auth=False` leaves the gateway's APIs open."""
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     existing = read_manifest(state_dir)
@@ -95,14 +137,23 @@ def up(state_dir: Path, gateway_port: int = 8000, timeout_s: float = 120.0) -> S
         raise StartupError(f"a stack is already running from {state_dir} (run `fleet down` first)")
     if not _port_free(gateway_port):
         raise StartupError(f"port {gateway_port} is in use: stop what listens there or pass --port")
+    creds = secrets.load_or_create(state_dir)
     manifest = StackManifest(state_dir=str(state_dir))
     try:
-        for start in (start_nats, start_s3, start_redis):
-            manifest.processes.append(start(state_dir))
-            _write_manifest(manifest)
+        starts = (
+            lambda: start_nats(state_dir, creds.nats_user, creds.nats_password),
+            lambda: start_s3(state_dir, creds.s3_access_key, creds.s3_secret_key),
+            lambda: start_redis(state_dir, creds.redis_password),
+        )
+        for start in starts:
+            manifest.processes.append(start())
+            write_manifest(manifest)
         nats, s3, redis = manifest.processes
-        settings = _service_settings(state_dir, nats, s3, redis, gateway_port)
-        manifest.nats_url = nats.url
+        manifest.env = connection_env(nats, s3, redis, creds)
+        settings = _service_settings(state_dir, manifest.env, gateway_port, creds if auth else None)
+        manifest.nats_url = nats_url_with_credentials(nats.url, creds)
+        if auth:
+            manifest.api_key, manifest.admin_key = creds.api_key, creds.admin_key
         manifest.gateway_url = f"http://127.0.0.1:{gateway_port}"
         manifest.metrics_url = f"http://127.0.0.1:{settings.metrics_port}/metrics"
         base_env = {**os.environ, **settings_env(settings)}
@@ -126,7 +177,7 @@ def up(state_dir: Path, gateway_port: int = 8000, timeout_s: float = 120.0) -> S
             )
             manifest.processes.append(handle)
             started.append((proc, handle))
-            _write_manifest(manifest)
+            write_manifest(manifest)
         deadline = time.monotonic() + timeout_s
         for proc, handle in started:
             wait_http(

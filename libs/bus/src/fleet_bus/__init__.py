@@ -1,5 +1,6 @@
 """Fleet's NATS JetStream client: streams, typed publish/consume, request/reply, token streams."""
 
+from fleet_bus.auth import NatsAuth
 from fleet_bus.connection import Bus, BusError, BusUnavailable, RequestFailed
 from fleet_bus.follower import StateFollower
 from fleet_bus.locks import kv_lock
@@ -12,6 +13,7 @@ __all__ = [
     "BusError",
     "BusUnavailable",
     "Delivery",
+    "NatsAuth",
     "RequestFailed",
     "StateFollower",
     "StreamBroken",

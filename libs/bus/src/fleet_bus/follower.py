@@ -1,6 +1,11 @@
 """Follow FLEET_EVT with an ordered consumer and fold every event into State with fleet_proto.apply.
 
 Every service keeps its own StateFollower: the event stream is the truth, State is derived.
+
+Across a NATS outage: the ordered consumer is ephemeral (in memory on the server), so a restarted
+server has forgotten it and nats-py would notice only after two missed idle heartbeats (10-20 s).
+The follower re-subscribes on every reconnect from the event after the last one it applied, and a
+seq it already has is skipped, so no event is missed or applied twice.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from fleet_bus.cancel import raise_if_cancelling
 from fleet_bus.connection import Bus
 from fleet_proto import Event, State, UnknownEventError, apply, decode_event
 from fleet_proto.subjects import EVT_STREAM
@@ -23,6 +30,8 @@ log = logging.getLogger("fleet_bus.follower")
 
 # A listener that falls this far behind is dropped rather than slowing the follower down.
 LISTENER_QUEUE_SIZE = 1024
+# After a reconnect, creating the consumer again is retried this often until JetStream answers.
+RESUBSCRIBE_RETRY_S = 0.2
 
 
 class StateFollower:
@@ -32,21 +41,86 @@ class StateFollower:
         self._sub: Subscription | None = None
         self._changed = asyncio.Condition()
         self._listeners: set[asyncio.Queue[tuple[int, Event] | None]] = set()
+        self._stopped = False
+        self._resuming: asyncio.Task[None] | None = None
+        self.resumes = 0  # re-subscriptions after reconnects
 
     async def start(self, catch_up_timeout_s: float = 30.0) -> None:
         """Subscribe from the first retained event and return once the events present now are applied."""
         info = await self._bus.js.stream_info(EVT_STREAM.name)
         target = int(info.state.last_seq)
-        self._sub = await self._bus.js.subscribe(
+        self._sub = await self._subscribe()
+        self._bus.on_reconnected(self._on_reconnected)
+        await self.wait_for(lambda state: state.last_seq >= target, catch_up_timeout_s)
+
+    async def _subscribe(self) -> Subscription:
+        """An ordered push consumer from the event after the last applied one (all, at first)."""
+        after = self.state.last_seq
+        config = (
+            ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
+            if after
+            else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        )
+        return await self._bus.js.subscribe(
             EVT_STREAM.subjects[0],
             stream=EVT_STREAM.name,
             ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+            config=config,
             cb=self._on_message,
         )
-        await self.wait_for(lambda state: state.last_seq >= target, catch_up_timeout_s)
+
+    async def _on_reconnected(self) -> None:
+        if self._stopped:
+            return
+        if self._resuming is not None:  # reconnected again while resuming: start over
+            self._resuming.cancel()
+        self._resuming = asyncio.current_task()
+        try:
+            await self._resume()
+        finally:
+            if self._resuming is asyncio.current_task():
+                self._resuming = None
+
+    async def _resume(self) -> None:
+        """Replace the consumer the server may have lost; retried until JetStream answers (it may
+        still be recovering its streams) or the connection closes."""
+        old, self._sub = self._sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        warned = False
+        while not self._stopped and not self._bus.nc.is_closed:
+            if not await self._bus.wait_connected(RESUBSCRIBE_RETRY_S):
+                continue  # down again: a request now would wait in nats-py's buffer, then time out
+            try:
+                sub = await self._subscribe()
+            except (TimeoutError, nats.errors.Error) as exc:
+                raise_if_cancelling()
+                if not warned:
+                    log.warning("following events again failed, retrying: %s", exc or type(exc).__name__)
+                    warned = True
+                await asyncio.sleep(RESUBSCRIBE_RETRY_S)
+                continue
+            if self._stopped:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                return
+            self._sub = sub
+            self.resumes += 1
+            log.info("following events again after seq %d", self.state.last_seq)
+            return
+
+    async def check(self) -> None:
+        """Health check: raises while the follower has no consumer (after a reconnect, until the
+        consumer is created again)."""
+        if self._sub is None:
+            raise ConnectionError("not following events (re-subscribing after a NATS reconnect)")
 
     async def stop(self) -> None:
+        self._stopped = True
+        if self._resuming is not None:
+            self._resuming.cancel()
+            self._resuming = None
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
@@ -65,6 +139,10 @@ class StateFollower:
             log.warning("skipping event seq %d on %s: %s", seq, msg.subject, exc)
             return
         async with self._changed:
+            # Checked again under the lock: after a resume the old and the new consumer can both
+            # deliver the same seq (each callback runs in its own task), and apply() refuses a repeat.
+            if seq <= self.state.last_seq:
+                return
             self.state = apply(self.state, event, seq)
             self._changed.notify_all()
         for queue in list(self._listeners):

@@ -18,22 +18,25 @@ LOCK_TTL_S = 15.0
 BUCKET_TTLS = {LEADER_BUCKET: LEADER_TTL_S, LOCKS_BUCKET: LOCK_TTL_S}
 
 
-def stream_config(spec: StreamSpec) -> StreamConfig:
+def stream_config(spec: StreamSpec, replicas: int = 1) -> StreamConfig:
+    """File storage always (a restarted nats-server keeps every stream); `replicas` copies on a
+    clustered JetStream (FLEET_STREAM_REPLICAS: 3 survives the loss of one server)."""
     return StreamConfig(
         name=spec.name,
         subjects=list(spec.subjects),
         retention=_RETENTION[spec.retention],
         storage=StorageType.FILE,
+        num_replicas=replicas,
         max_age=spec.max_age_s or None,
         max_bytes=spec.max_bytes,
         description=spec.description,
     )
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
+async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
     """Create each stream, or bring an existing one's config up to date; safe to call from every service."""
     for spec in STREAMS:
-        config = stream_config(spec)
+        config = stream_config(spec, replicas)
         try:
             await js.stream_info(spec.name)
         except NotFoundError:
@@ -44,7 +47,9 @@ async def ensure_streams(js: JetStreamContext) -> None:
         try:
             await js.key_value(bucket)
         except BucketNotFoundError:
-            await js.create_key_value(bucket=bucket, history=1, ttl=BUCKET_TTLS.get(bucket))
+            await js.create_key_value(
+                bucket=bucket, history=1, ttl=BUCKET_TTLS.get(bucket), replicas=replicas
+            )
         else:
             if bucket in BUCKET_TTLS:
                 await _ensure_bucket_ttl(js, bucket, BUCKET_TTLS[bucket])

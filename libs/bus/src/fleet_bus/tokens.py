@@ -6,6 +6,7 @@ gives up with a clear error when chunks stop arriving (a worker that died mid-st
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -50,7 +51,15 @@ class TokenStreamReader:
 
     async def open(self) -> TokenStreamReader:
         self._sub = await self._bus.nc.subscribe(token_subject(self.request_id))
-        await self._bus.nc.flush()  # registered at the server before any worker can publish
+        try:
+            # Registered at the server before any worker can publish. Shielded: a client that
+            # hangs up cancels us here, and nats-py (2.16) would cancel the PONG future it queued;
+            # resolving that one when the PONG comes raises in its read loop, which then stops
+            # for good (nothing more is received on the connection, every later request fails).
+            await asyncio.shield(self._bus.nc.flush())
+        except BaseException:
+            await self.close()  # cancelled or failed: the caller never gets a reader to close
+            raise
         return self
 
     async def close(self) -> None:
@@ -77,6 +86,10 @@ class TokenStreamReader:
                         f"no tokens for request {self.request_id} in {self._stall_timeout_s:.0f} s"
                     ) from None
                 continue
+            # A cancel (the client hung up) that came as the chunk did is swallowed by the
+            # wait_for inside nats-py's next_msg (Python 3.11): the chunk is returned and the task
+            # goes on as if never cancelled, so the request ran to its end for nobody.
+            raise_if_cancelling()
             last_chunk_at = time.monotonic()
             chunk = _decoder.decode(msg.data)
             if chunk.index != expected:

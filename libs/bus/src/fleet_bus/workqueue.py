@@ -4,6 +4,11 @@ A message is acked only when its handler returns (so after the events it caused 
 if the handler raises it is nak'ed and redelivered, and a consumer that dies without acking gets
 its messages redelivered after ack_wait. While a handler runs, the message is marked in progress so
 long work (loading a model) is not redelivered under it.
+
+The consumers are durable (file-backed on the server), so they survive a NATS restart: the loop
+keeps fetching through an outage (fetches time out or fail; none of that ends it). A fetch that
+JetStream answers with "no responders" (still recovering, or the consumer was deleted) makes it
+create the consumer again (idempotent) and bind to it.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -27,6 +33,8 @@ from fleet_proto.subjects import CMD_STREAM, TASK_STREAM, command_subject, subje
 
 log = logging.getLogger("fleet_bus.workqueue")
 T = TypeVar("T")
+# While NATS is unreachable a fetch fails at once (or times out): pause this long between tries.
+FETCH_RETRY_S = 0.25
 
 
 class Delivery(msgspec.Struct, frozen=True):
@@ -101,6 +109,7 @@ async def consume(
     )
     await bus.js.add_consumer(stream, config)
     sub = await bus.js.pull_subscribe_bind(durable=durable, stream=stream)
+    failing = False
     try:
         while True:
             try:
@@ -108,11 +117,39 @@ async def consume(
             except (TimeoutError, NatsTimeoutError):
                 raise_if_cancelling()
                 continue
+            except nats.errors.Error as exc:  # NATS down, JetStream recovering, or the consumer gone
+                raise_if_cancelling()
+                if bus.nc.is_closed:
+                    raise
+                if not failing:
+                    log.warning("fetching from %s failed, retrying: %s", durable, exc or type(exc).__name__)
+                    failing = True
+                await asyncio.sleep(FETCH_RETRY_S)
+                if bus.nc.is_connected:  # JetStream said "no responders": create the consumer again
+                    sub = await _rebind(bus, stream, config, sub)
+                continue
+            if failing:
+                log.info("fetching from %s works again", durable)
+                failing = False
             for msg in msgs:
                 await _handle_one(msg, decode, handler, ack_wait_s, max_deliver)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def _rebind(bus: Bus, stream: str, config: ConsumerConfig, sub: Any) -> Any:
+    """Create the durable consumer (idempotent: it may exist) and bind to it; the old subscription
+    when that fails too (the next failed fetch tries again)."""
+    try:
+        await bus.js.add_consumer(stream, config)
+        new = await bus.js.pull_subscribe_bind(durable=config.durable_name, stream=stream)
+    except (TimeoutError, nats.errors.Error):
+        raise_if_cancelling()
+        return sub
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
+    return new
 
 
 async def consume_commands(

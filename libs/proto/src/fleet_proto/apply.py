@@ -126,7 +126,10 @@ def _dispatch(state: State, event: Event) -> State:
                 state, event.instance_id, status=InstanceStatus.LOADING, progress=event.progress
             )
         case InstanceReady():
-            return _update_instance(state, event.instance_id, status=InstanceStatus.READY, progress=1.0)
+            # a ready instance has no failure to show (an engine restarted after a crash)
+            return _update_instance(
+                state, event.instance_id, status=InstanceStatus.READY, progress=1.0, reason=""
+            )
         case InstanceFailed():
             return _update_instance(
                 state, event.instance_id, status=InstanceStatus.FAILED, reason=event.reason

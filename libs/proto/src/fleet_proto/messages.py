@@ -173,6 +173,8 @@ class RouteRequest(Frozen):
     kv_fingerprint: str = ""  # the model's, which the block hashes (and the KV index keys) are seeded with
     # Remote prefill: "auto" (when the uncached prompt is long enough), "always", "never".
     disaggregate: str = "auto"
+    # Nodes not to route to: the gateway re-routes a task whose worker died before taking it.
+    avoid_nodes: tuple[str, ...] = ()
 
 
 class RouteReply(Frozen):

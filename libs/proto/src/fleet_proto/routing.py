@@ -60,7 +60,11 @@ def route_cost(
 
 
 def prefill_partner(
-    state: State, model_id: str, decoder: Instance, load: Mapping[str, int]
+    state: State,
+    model_id: str,
+    decoder: Instance,
+    load: Mapping[str, int],
+    avoid_nodes: tuple[str, ...] = (),
 ) -> Instance | None:
     """The instance to prefill for `decoder`, or None when no other instance can."""
     if decoder.engine not in KV_IMPORT_ENGINES:
@@ -68,7 +72,9 @@ def prefill_partner(
     candidates = [
         i
         for i in ready_instances(state, model_id, roles=PREFILL_ROLES)
-        if i.instance_id != decoder.instance_id and i.engine in KV_EXPORT_ENGINES
+        if i.instance_id != decoder.instance_id
+        and i.engine in KV_EXPORT_ENGINES
+        and i.node_id not in avoid_nodes
     ]
     if not candidates:
         return None
@@ -93,9 +99,10 @@ def route(
 ) -> RouteReply:
     """cached: node id -> leading prompt tokens whose KV that node holds in memory."""
     cached = cached or {}
-    candidates = ready_instances(state, request.model_id)
+    candidates = [i for i in ready_instances(state, request.model_id) if i.node_id not in request.avoid_nodes]
     if not candidates:
-        return RouteReply(error=f"no ready instance of {request.model_id}")
+        avoided = f" off nodes {', '.join(request.avoid_nodes)}" if request.avoid_nodes else ""
+        return RouteReply(error=f"no ready instance of {request.model_id}{avoided}")
     preferred = [i for i in candidates if i.engine == PREFERRED_DECODE_ENGINE] or candidates
     chosen = min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, cached), i.instance_id))
     tokens = load.get(chosen.instance_id, 0)
@@ -111,7 +118,7 @@ def route(
     uncached = request.prompt_tokens - max(cached.get(chosen.node_id, 0), tier2_tokens)
     if request.disaggregate != "always" and uncached <= disagg_min_tokens:
         return local
-    partner = prefill_partner(state, request.model_id, chosen, load)
+    partner = prefill_partner(state, request.model_id, chosen, load, request.avoid_nodes)
     if partner is None:
         return local
     why = (

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fleet_bus import Bus, StateFollower, ensure_streams
+from fleet_bus import Bus, NatsAuth, StateFollower, ensure_streams
 from fleet_proto import ServiceInfo, ServiceKind, ServiceStarted, ServiceStopped
 from fleet_runtime.health import HealthCheck, health_handler, start_http
 from fleet_runtime.logs import setup_logging
@@ -40,7 +40,8 @@ class ServiceContext:
         self.follower = follower
         self.service_id = f"{kind.value}-{uuid.uuid4().hex[:8]}"
         self.node_id = ""  # set by services that run on a node (the engine-worker)
-        self.health_checks: dict[str, HealthCheck] = {"nats": self._check_nats}
+        # "events": the State follower is subscribed (after a NATS restart it re-subscribes).
+        self.health_checks: dict[str, HealthCheck] = {"nats": self._check_nats, "events": follower.check}
         self.routes: list[web.RouteDef] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._cleanups: list[Callable[[], Awaitable[None]]] = []
@@ -91,6 +92,18 @@ async def _wait_for_stop(tasks: list[asyncio.Task[Any]]) -> None:
     stopper.cancel()
 
 
+def nats_auth(settings: Settings) -> NatsAuth:
+    return NatsAuth(
+        user=settings.nats_user,
+        password=settings.nats_password,
+        nkey_seed_file=settings.nats_nkey_seed_file,
+        credentials_file=settings.nats_credentials_file,
+        tls_ca_file=settings.nats_tls_ca_file,
+        tls_cert_file=settings.nats_tls_cert_file,
+        tls_key_file=settings.nats_tls_key_file,
+    )
+
+
 async def serve(
     kind: ServiceKind,
     main: Callable[[ServiceContext], Awaitable[None]],
@@ -98,13 +111,9 @@ async def serve(
     health_port: int | None = None,
 ) -> None:
     bus = await Bus.connect(
-        settings.nats_url,
-        kind.value,
-        user=settings.nats_user,
-        password=settings.nats_password,
-        timeout_s=settings.bus_timeout_s,
+        settings.nats_url, kind.value, auth=nats_auth(settings), timeout_s=settings.bus_timeout_s
     )
-    await ensure_streams(bus.js)
+    await ensure_streams(bus.js, settings.stream_replicas)
     follower = StateFollower(bus)
     await follower.start()
     ctx = ServiceContext(kind, settings, bus, follower)

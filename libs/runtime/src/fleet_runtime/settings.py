@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import msgspec
 
@@ -23,12 +25,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str = "nats://127.0.0.1:4222"
     nats_user: str = ""
     nats_password: str = ""
+    # Other ways to log in to NATS (files, so they can be mounted secrets): an nkey seed, a .creds
+    # file, and TLS (a CA to verify the server; a client certificate and key for mutual TLS).
+    nats_nkey_seed_file: str = ""
+    nats_credentials_file: str = ""
+    nats_tls_ca_file: str = ""
+    nats_tls_cert_file: str = ""
+    nats_tls_key_file: str = ""
     s3_endpoint: str = "127.0.0.1:9000"
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_secure: bool = False
     s3_region: str = "us-east-1"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str = ""  # put into redis_url when set (so it can come from a secret file)
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
     # Where a service serves GET /health (0 = no health server; the gateway serves it on its own port).
@@ -69,8 +79,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     state_dir: str = ".fleet"
     log_level: str = "INFO"
     log_format: str = "json"  # json | text
-    # How many stream messages a JetStream publish may wait on before it is an error.
+    # Deadline of a JetStream publish, retries included; past it BusUnavailable (the gateway answers 503).
     bus_timeout_s: float = 5.0
+    # JetStream replicas of Fleet's streams and KV buckets (3 on a clustered NATS; 1 on one server).
+    stream_replicas: int = 1
+    # Gateway auth: comma-separated keys. API keys call the model APIs and read state; admin keys
+    # also stage models and create or delete instances. No keys at all: the gateway is open.
+    api_keys: str = ""
+    admin_keys: str = ""
+    # Gateway limits (0: none beyond the model's context): request body bytes, prompt tokens,
+    # completion tokens a request may ask for, generations in flight per key (per gateway replica),
+    # and a per-key token bucket in Redis (requests per second, burst).
+    max_body_bytes: int = 8 * 2**20
+    max_prompt_tokens: int = 0
+    max_completion_tokens: int = 0
+    max_streams_per_key: int = 64
+    rate_limit_per_s: float = 0.0
+    rate_limit_burst: int = 0
 
     def resolved_node_id(self) -> str:
         return self.node_id or socket.gethostname()
@@ -87,19 +112,45 @@ def _parse(raw: str, kind: type) -> object:
     return kind(raw)
 
 
+def _read_secret_file(name: str, path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise SettingsError(f"{name}={path!r}: cannot read it: {exc.strerror}") from None
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
-    """Read FLEET_<FIELD> variables (upper-case field names); unknown FLEET_ names are ignored."""
+    """Read FLEET_<FIELD> variables (upper-case field names); unknown FLEET_ names are ignored.
+    FLEET_<FIELD>_FILE names a file holding the value instead (Docker and Kubernetes secrets), so
+    passwords and keys need not sit in the environment. FLEET_REDIS_PASSWORD goes into the Redis URL."""
     source = os.environ if env is None else env
     values: dict[str, object] = {}
     for field in msgspec.structs.fields(Settings):
         name = PREFIX + field.name.upper()
-        if name not in source:
+        if name + "_FILE" in source:
+            raw = _read_secret_file(name + "_FILE", source[name + "_FILE"])
+        elif name in source:
+            raw = source[name]
+        else:
             continue
         try:
-            values[field.name] = _parse(source[name], field.type)
+            values[field.name] = _parse(raw, field.type)
         except ValueError as exc:
-            raise SettingsError(f"{name}={source[name]!r}: {exc}") from None
-    return Settings(**values)
+            shown = raw if name in source else "(from its file)"
+            raise SettingsError(f"{name}={shown!r}: {exc}") from None
+    settings = Settings(**values)
+    if settings.redis_password:
+        settings = msgspec.structs.replace(
+            settings, redis_url=with_password(settings.redis_url, settings.redis_password)
+        )
+    return settings
+
+
+def with_password(url: str, password: str) -> str:
+    """A redis:// URL with `password` in it (replacing one already there)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f":{quote(password, safe='')}@{host}"))
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

@@ -36,8 +36,12 @@ SHA256_METADATA = "x-amz-meta-sha256"
 PART_SIZE = 16 * 1024 * 1024
 MAX_PARTS = 10_000
 CONNECT_TIMEOUT_S = 5.0
-# Generous: the server may take a while to answer CompleteMultipartUpload on a large object.
+# Generous: the server may take a while to answer CompleteMultipartUpload on a large object. Only
+# multipart uploads wait this long (`_client`, also resumable.py's); every other call (stat, list,
+# delete, gets, single-part puts such as KV blocks) uses `_quick`, so a server that accepts
+# connections but never answers (hung, SIGSTOPped) fails those in 2 x QUICK_READ_TIMEOUT_S, not 4 min.
 READ_TIMEOUT_S = 120.0
+QUICK_READ_TIMEOUT_S = 10.0  # the longest a healthy server goes silent mid-answer, with margin
 PARALLEL_PART_UPLOADS = 3
 
 T = TypeVar("T")
@@ -69,11 +73,11 @@ def part_size_for(size: int) -> int:
     return math.ceil(size / MAX_PARTS / mib) * mib
 
 
-def _http_pool() -> urllib3.PoolManager:
+def _http_pool(read_timeout_s: float = READ_TIMEOUT_S) -> urllib3.PoolManager:
     # minio's default pool waits 5 minutes and retries 5 times: an unreachable endpoint would
     # hang a service's startup for minutes instead of failing with a clear error.
     return urllib3.PoolManager(
-        timeout=Timeout(connect=CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S),
+        timeout=Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s),
         maxsize=10,
         retries=Retry(total=3, connect=1, read=1, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
     )
@@ -92,14 +96,20 @@ class ObjectStore:
         self.access_key = access_key
         self.secure = secure
         self._http = _http_pool()
-        self._client = Minio(
-            endpoint,
-            access_key=access_key or None,
-            secret_key=secret_key or None,
-            secure=secure,
-            region=region or None,
-            http_client=self._http,
-        )
+        self._quick_http = _http_pool(QUICK_READ_TIMEOUT_S)
+
+        def client(http: urllib3.PoolManager) -> Minio:
+            return Minio(
+                endpoint,
+                access_key=access_key or None,
+                secret_key=secret_key or None,
+                secure=secure,
+                region=region or None,
+                http_client=http,
+            )
+
+        self._client = client(self._http)  # multipart uploads only (see READ_TIMEOUT_S)
+        self._quick = client(self._quick_http)  # everything else
 
     @classmethod
     def from_settings(cls, settings: S3Settings) -> ObjectStore:
@@ -117,6 +127,7 @@ class ObjectStore:
 
     def close(self) -> None:
         self._http.clear()
+        self._quick_http.clear()
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r}, access_key={self.access_key!r})"
@@ -148,14 +159,14 @@ class ObjectStore:
     def check(self) -> None:
         """Raise StoreUnavailable or StoreAuthError unless the server answers an authenticated call."""
         with self._translated():
-            self._client.list_buckets()
+            self._quick.list_buckets()
 
     def ensure_bucket(self, name: str) -> None:
         with self._translated(name):
-            if self._client.bucket_exists(name):
+            if self._quick.bucket_exists(name):
                 return
             try:
-                self._client.make_bucket(name)
+                self._quick.make_bucket(name)
             except S3Error as exc:
                 # Another process created it between our check and our create.
                 if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
@@ -216,8 +227,10 @@ class ObjectStore:
     ) -> ObjectInfo:
         reader = HashingReader(readable, length, progress)
         metadata: dict[str, Any] = {SHA256_METADATA: sha256} if sha256 else {}
+        # one PUT unless minio splits it into parts (then CompleteMultipartUpload may take long)
+        client = self._quick if 0 <= length <= PART_SIZE else self._client
         with self._translated(bucket, key):
-            result = self._client.put_object(
+            result = client.put_object(
                 bucket,
                 key,
                 reader,  # type: ignore[arg-type]  # duck-typed: minio only calls read()
@@ -259,7 +272,7 @@ class ObjectStore:
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as out, self._translated(bucket, key):
-                response = self._client.get_object(bucket, key)
+                response = self._quick.get_object(bucket, key)
                 try:
                     recorded = response.headers.get(SHA256_METADATA, "")
                     etag = response.headers.get("etag", "").strip('"')
@@ -289,7 +302,7 @@ class ObjectStore:
     def get_bytes(self, bucket: str, key: str) -> bytes:
         """The object's bytes, verified against its sha256 metadata when it has one."""
         with self._translated(bucket, key):
-            response = self._client.get_object(bucket, key)
+            response = self._quick.get_object(bucket, key)
             try:
                 recorded = response.headers.get(SHA256_METADATA, "")
                 data = response.read()
@@ -312,7 +325,7 @@ class ObjectStore:
     def stat(self, bucket: str, key: str) -> ObjectInfo | None:
         try:
             with self._translated(bucket, key):
-                found = self._client.stat_object(bucket, key)
+                found = self._quick.stat_object(bucket, key)
         except ObjectNotFound:
             return None
         # HTTPHeaderDict: case-insensitive (SeaweedFS answers X-Amz-Meta-sha256, MinIO ...-Sha256).
@@ -333,7 +346,7 @@ class ObjectStore:
         with self._translated(bucket):
             return [
                 obj.object_name
-                for obj in self._client.list_objects(bucket, prefix=prefix or None, recursive=True)
+                for obj in self._quick.list_objects(bucket, prefix=prefix or None, recursive=True)
                 if obj.object_name is not None
             ]
 
@@ -342,7 +355,7 @@ class ObjectStore:
     def delete(self, bucket: str, key: str) -> None:
         """Remove one object; removing a missing object is not an error."""
         with self._translated(bucket, key):
-            self._client.remove_object(bucket, key)
+            self._quick.remove_object(bucket, key)
 
     def delete_prefix(self, bucket: str, prefix: str) -> int:
         """Remove every object under prefix; returns how many there were."""
@@ -351,7 +364,7 @@ class ObjectStore:
             raise ValueError("delete_prefix needs a non-empty prefix")
         keys = self.list_keys(bucket, prefix)
         with self._translated(bucket):
-            errors = list(self._client.remove_objects(bucket, (DeleteObject(key) for key in keys)))
+            errors = list(self._quick.remove_objects(bucket, (DeleteObject(key) for key in keys)))
         if errors:
             first = errors[0]
             raise StoreError(

@@ -15,10 +15,18 @@ import redis.asyncio as aioredis
 TIER2 = "s3"
 KEY_PREFIX = "fleet:kv:"
 DEFAULT_TTL_S = 24 * 3600
+# One key per worker saying "this node's entries are in the index": a Redis restarted empty (or
+# flushed) has lost it, which tells the worker to write what it holds again. Outside KEY_PREFIX, so
+# summary() does not count it as a block.
+NODE_MARKER_PREFIX = "fleet:kv-node:"
 
 
 def block_key(fingerprint: str, block_hash: str) -> str:
     return f"{KEY_PREFIX}{fingerprint}:{block_hash}"
+
+
+def node_marker_key(node_id: str) -> str:
+    return f"{NODE_MARKER_PREFIX}{node_id}"
 
 
 def object_key(fingerprint: str, block_hash: str) -> str:
@@ -91,6 +99,13 @@ class KVIndex:
                 name = member.decode() if isinstance(member, bytes) else member
                 counts[name] = counts.get(name, 0) + 1
         return counts
+
+    async def mark_node(self, node_id: str) -> None:
+        """Record that `node_id`'s entries are written (expires with the blocks' TTL)."""
+        await self._redis.set(node_marker_key(node_id), "1", ex=self._ttl_s)
+
+    async def node_marked(self, node_id: str) -> bool:
+        return bool(await self._redis.exists(node_marker_key(node_id)))
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -69,6 +69,20 @@ class EngineProcessExited(RuntimeError):
     """A command was sent to an engine process that has already exited."""
 
 
+def describe_exit(code: int | None) -> str:
+    """A child's exit code in words: a negative code is the signal that killed it."""
+    if code is None:
+        return "engine process is gone"
+    if code >= 0:
+        return f"engine process exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (out of memory? the kernel's OOM killer sends it)" if -code == signal.SIGKILL else ""
+    return f"engine process was killed by {name}{hint}"
+
+
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -137,6 +151,7 @@ class EngineProcess:
         self._exited = asyncio.Event()
         self._stopping = False
         self.load_time_s = 0.0
+        self.exit_reason = ""  # why the child exited, once it has
         # Called on the loop with each step's KV changes (set by whoever indexes this engine's blocks).
         self.on_kv_changes: Callable[[KVChanges], None] | None = None
 
@@ -280,8 +295,8 @@ class EngineProcess:
             self._on_readable()  # what the child sent before it went
             self._loop.remove_reader(self._conn.fileno())
         self._process.join(1)  # the sentinel fired: this only reaps
-        code = self._process.exitcode
-        reason = "engine process stopped" if self._stopping else f"engine process exited with code {code}"
+        reason = "engine process stopped" if self._stopping else describe_exit(self._process.exitcode)
+        self.exit_reason = reason
         for request_id in sorted(self._in_flight):
             self._queue.put_nowait(EngineOutput(request_id=request_id, finish_reason="error", error=reason))
         self._in_flight.clear()

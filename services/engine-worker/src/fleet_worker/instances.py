@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from fleet_bus import Delivery, publish_chunk
+from fleet_bus import BusUnavailable, Delivery, publish_chunk
 from fleet_proto import (
     GenerateTask,
     HandoffStats,
@@ -114,6 +114,19 @@ def merged_stats(transport: HandoffStats | None, engine: HandoffStats | None) ->
     return msgspec.structs.replace(transport, fallback=engine.fallback)
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How often a crashed engine is restarted: at most `max_restarts` within `window_s`; a crash
+    beyond that leaves the instance failed (a crash loop would only hide the reason)."""
+
+    max_restarts: int = 3
+    window_s: float = 600.0
+
+    def allows(self, crashes: list[float], now: float) -> bool:
+        """`crashes`: earlier restart times of this instance (monotonic)."""
+        return len([t for t in crashes if now - t < self.window_s]) < self.max_restarts
+
+
 class LoadProgressReporter:
     """Weight-loading progress from the engine process as instance_loading events, at most 2 a second."""
 
@@ -196,6 +209,10 @@ class InstanceManager:
         self._pinned: set[str] = set()  # instances holding a pin on their model in the cache
         self._running: dict[str, RunningInstance] = {}
         self._loading: dict[str, asyncio.Task[None]] = {}
+        self._restart_policy = RestartPolicy()
+        self._restarts: dict[str, list[float]] = {}  # instance -> when its engine was restarted
+        # Instances reported failed (their engine crashed) that this worker is loading again.
+        self._restarting: set[str] = set()
 
     def active_requests(self) -> dict[str, int]:
         return {i: len(r.next_index) for i, r in self._running.items()}
@@ -211,7 +228,8 @@ class InstanceManager:
         return {
             i.instance_id: i
             for i in state.instances.values()
-            if i.node_id == self._node_id and i.status != InstanceStatus.FAILED
+            if i.node_id == self._node_id
+            and (i.status != InstanceStatus.FAILED or i.instance_id in self._restarting)
         }
 
     async def reconcile(self, state: State) -> None:
@@ -253,11 +271,13 @@ class InstanceManager:
             running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
             await self._warm_up(running)
         except asyncio.CancelledError:  # unloaded (deleted or moved) while loading
+            self._restarting.discard(iid)
             self._release(instance)
             if engine is not None:
                 await engine.stop()
             raise
         except Exception as exc:  # any failure (EngineLoadError, S3, ...) is reported, never lost
+            self._restarting.discard(iid)
             self._release(instance)
             if engine is not None:
                 await engine.stop()
@@ -268,7 +288,9 @@ class InstanceManager:
             return
         finally:
             self._loading.pop(iid, None)
-        if iid not in self.wanted(ctx.follower.state):  # deleted or moved while loading
+        wanted = iid in self.wanted(ctx.follower.state)
+        self._restarting.discard(iid)
+        if not wanted:  # deleted or moved while loading
             self._release(instance)
             await engine.stop()
             return
@@ -278,11 +300,23 @@ class InstanceManager:
 
     async def _loading_progress(self, instance_id: str, progress: float) -> None:
         event = InstanceLoading(instance_id=instance_id, progress=progress)
-        await self._publish(msgspec.structs.replace(event, origin=self._ctx.service_id, at=time.time()))
+        await self._publish_progress(
+            msgspec.structs.replace(event, origin=self._ctx.service_id, at=time.time())
+        )
 
     async def _status(self, instance_id: str, status: InstanceStatus, progress: float) -> None:
         event = InstanceStatusChanged(instance_id=instance_id, status=status, progress=progress)
-        await self._publish(msgspec.structs.replace(event, origin=self._ctx.service_id, at=time.time()))
+        await self._publish_progress(
+            msgspec.structs.replace(event, origin=self._ctx.service_id, at=time.time())
+        )
+
+    async def _publish_progress(self, event) -> None:
+        """Progress is advisory: a NATS outage must not fail the load it reports on (the next
+        progress event, or ready, says where it is)."""
+        try:
+            await self._publish(event)
+        except BusUnavailable as error:
+            log.warning("progress event for %s not published: %s", event.instance_id, error)
 
     async def _warm_up(self, running: RunningInstance) -> None:
         """One 1-token generation, so the first user request does not pay for lazy initialisation."""
@@ -390,8 +424,26 @@ class InstanceManager:
             self._release(running.instance)
             if self._kv is not None and running.kv_fingerprint:
                 await self._kv.forget(running.kv_fingerprint)
-            reason = "engine process exited unexpectedly"
-            await self._publish(InstanceFailed(instance_id=iid, reason=reason, origin=self._ctx.service_id))
+            await self._engine_crashed(running)
+
+    async def _engine_crashed(self, running: RunningInstance) -> None:
+        """Report the instance failed with the engine's exit reason, then load it again here (the
+        model is cached: seconds), unless it has crashed too often lately."""
+        instance, now = running.instance, time.monotonic()
+        iid = instance.instance_id
+        restarts = self._restarts.setdefault(iid, [])
+        restart = self._restart_policy.allows(restarts, now)
+        reason = running.engine.exit_reason or "engine process exited unexpectedly"
+        if restart:
+            restarts.append(now)
+            self._restarting.add(iid)
+            reason += f"; restarting it (restart {len(restarts)} of {self._restart_policy.max_restarts})"
+        else:
+            reason += f"; not restarted: it crashed {len(restarts) + 1} times within the restart window"
+        log.error("instance %s: %s", iid, reason)
+        await self._publish(InstanceFailed(instance_id=iid, reason=reason, origin=self._ctx.service_id))
+        if restart and iid not in self._loading:
+            self._loading[iid] = asyncio.create_task(self._load(instance), name=f"load-{iid}")
 
     def _export_output(self, running: RunningInstance, output: EngineOutput) -> None:
         if not output.finish_reason:

@@ -22,6 +22,7 @@ from fleet_runtime.service import ServiceContext, run
 from fleet_store import KV_BUCKET, ObjectStore, StoreError
 from fleet_store.kv import KVFolder
 from fleet_store.kv_index import KVIndex
+from fleet_worker.cancels import RecentCancels, honouring_early_cancels
 from fleet_worker.gpu import NvmlReader
 from fleet_worker.handoff import HandoffClient, PrefillServer
 from fleet_worker.instances import InstanceManager, KVSettings, parse_engine_options
@@ -54,7 +55,11 @@ async def publish_metrics(
             kv_uploaded_blocks=kv.blocks_uploaded,
             kv_uploaded_bytes=kv.bytes_uploaded,
         )
-        await ctx.bus.publish(metrics_subject(node_id), sample)
+        # During a NATS outage nats-py would buffer the samples and send them all on reconnect:
+        # stale, and an outage long enough fills its buffer (then publish raises and the worker
+        # stops). Skip them; the next one after the reconnect is current.
+        if ctx.bus.nc.is_connected:
+            await ctx.bus.publish(metrics_subject(node_id), sample)
         await asyncio.sleep(METRICS_INTERVAL_S)
 
 
@@ -112,18 +117,23 @@ async def main(ctx: ServiceContext) -> None:
     await announce()
 
     cancel_decoder = msgspec.json.Decoder(CancelRequest)
+    cancels = RecentCancels()  # a cancel may come before its task runs: see fleet_worker.cancels
 
     async def on_cancel(msg: Msg) -> None:
         try:
-            manager.cancel(cancel_decoder.decode(msg.data).request_id)
+            request_id = cancel_decoder.decode(msg.data).request_id
         except msgspec.ValidationError:
             return
+        cancels.add(request_id)
+        manager.cancel(request_id)
 
     cancel_sub = await ctx.bus.nc.subscribe("fleet.cancel.*", cb=on_cancel)
     task_decoder = msgspec.json.Decoder(GenerateTask)
     ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, kv, overrides, gpus), "node-metrics")
     ctx.spawn(follow_assignments(ctx, manager), "assignments")
-    ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, manager.on_task), "tasks")
+    ctx.spawn(kv.keep_index(), "kv-index")  # rewrites the KV index after a Redis outage
+    on_task = honouring_early_cancels(ctx.bus, cancels, manager.on_task, manager.cancel)
+    ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, on_task), "tasks")
 
     async def leave() -> None:
         await cancel_sub.unsubscribe()

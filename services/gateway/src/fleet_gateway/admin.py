@@ -24,7 +24,7 @@ from fleet_proto import (
     State,
 )
 from fleet_proto.subjects import PLACEMENTS_SUBJECT
-from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectStore, manifest_key
+from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ObjectStore, StoreError, manifest_key
 
 INSTANCE_ROLES = ("both", "prefill", "decode")
 
@@ -61,6 +61,11 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def store_unavailable(exc: StoreError, consequence: str) -> ApiError:
+    """503 naming object storage (the message of StoreUnavailable says which endpoint, and why)."""
+    return ApiError(503, f"object storage is unavailable, so {consequence}: {exc}", code="store_unavailable")
+
+
 def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[web.RouteDef]:
     async def stage_model(request: web.Request) -> web.Response:
         body = decode_json_body(await request.read(), StageModelBody)
@@ -81,15 +86,22 @@ def admin_routes(bus: Bus, follower: StateFollower, store: ObjectStore) -> list[
         state = follower.state
         if model not in state.downloads and model not in state.models:
             raise ApiError(404, f"no model {model!r} is staged", param="model")
+        try:  # the downloader deletes from object storage: refuse rather than queue a doomed command
+            await asyncio.to_thread(store.check)
+        except StoreError as exc:
+            raise store_unavailable(exc, f"{model!r} cannot be deleted now") from None
         await bus.publish_command(DeleteModel(command_id=_new_id("cmd"), model_id=model))
         in_use = sorted(i.instance_id for i in state.instances.values() if i.model_id == model)
         return web.json_response({"model": model, "deleted": True, "still_used_by": in_use}, status=202)
 
     async def create_instance(request: web.Request) -> web.Response:
         body = decode_json_body(await request.read(), CreateInstanceBody)
-        staged = await asyncio.to_thread(
-            store.exists, MODELS_BUCKET, manifest_key(body.model, DEFAULT_REVISION)
-        )
+        try:
+            staged = await asyncio.to_thread(
+                store.exists, MODELS_BUCKET, manifest_key(body.model, DEFAULT_REVISION)
+            )
+        except StoreError as exc:  # a worker could not fetch the files either: refuse now, clearly
+            raise store_unavailable(exc, f"no instance of {body.model!r} can load its files now") from None
         if not staged:
             raise ApiError(404, f"model {body.model!r} is not staged: POST /models first", param="model")
         if body.role not in INSTANCE_ROLES:

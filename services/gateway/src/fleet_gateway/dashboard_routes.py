@@ -4,6 +4,7 @@ metrics-collector's, read from Redis)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from fleet_proto import NodeMetrics
 from fleet_store import series
 
 ASSETS = Path(__file__).with_name("dashboard")
+SERIES_TIMEOUT_S = 2.0
 CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
 
 
@@ -54,10 +56,11 @@ def dashboard_routes(
             metric, window_s = series.parse_series_query(request.query)
         except series.BadQuery as exc:
             raise ApiError(400, str(exc), param="metric") from None
-        try:
-            points = await series.read(redis, node_id, metric, window_s)
-        except (aioredis.RedisError, OSError) as exc:
-            raise ApiError(503, f"the metrics store is unavailable: {exc}") from None
+        try:  # bounded: a Redis that hangs must not hang the dashboard
+            points = await asyncio.wait_for(series.read(redis, node_id, metric, window_s), SERIES_TIMEOUT_S)
+        except (aioredis.RedisError, OSError) as exc:  # TimeoutError included
+            reason = str(exc) or f"no answer within {SERIES_TIMEOUT_S:g} s"
+            raise ApiError(503, f"the metrics store (Redis) is unavailable: {reason}") from None
         return web.json_response([[ts, value] for ts, value in points])
 
     return [

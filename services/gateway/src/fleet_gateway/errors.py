@@ -18,7 +18,11 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from fleet_bus import BusUnavailable
+
 log = logging.getLogger("fleet_gateway.errors")
+# What a 503 for an unreachable message bus tells clients to wait before retrying (NATS restarts fast).
+BUS_RETRY_AFTER_S = 5
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -118,6 +122,7 @@ class ApiError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -125,12 +130,15 @@ class ApiError(Exception):
         self.type = type or error_type_for(status)
         self.param = param
         self.code = code
+        self.headers = headers or {}  # e.g. WWW-Authenticate on a 401, Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.type, self.param, self.code)
 
     def response(self, shape: str = OPENAI) -> web.Response:
-        return api_error(self.status, self.message, self.type, self.param, self.code, shape)
+        response = api_error(self.status, self.message, self.type, self.param, self.code, shape)
+        response.headers.update(self.headers)
+        return response
 
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r})"
@@ -142,12 +150,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """ApiError and aiohttp HTTP errors (404, 405, 413...) become error bodies in the shape of the
-    path's clients; crashes a 500."""
+    path's clients; BusUnavailable (a command or task NATS did not take) a 503; crashes a 500."""
     shape = error_shape(request.path)
     try:
         return await handler(request)
     except ApiError as exc:
         return exc.response(shape)
+    except BusUnavailable as exc:  # NATS is down: its message says the command/task was not accepted
+        log.warning("%s %s: %s", request.method, request.path, exc)
+        response = api_error(503, str(exc), code="bus_unavailable", shape=shape)
+        response.headers["Retry-After"] = str(BUS_RETRY_AFTER_S)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -204,3 +217,7 @@ def decode_json_body(body: bytes, body_type: type[T]) -> T:
         raise _validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"We could not parse the JSON body of your request: {exc}.") from None
+    except UnicodeDecodeError as exc:  # a string that is not UTF-8 (msgspec decodes strings lazily)
+        raise ApiError(
+            400, f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}."
+        ) from None

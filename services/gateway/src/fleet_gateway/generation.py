@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
-from fleet_bus import Bus, RequestFailed, StateFollower, TokenStreamReader
+from fleet_bus import Bus, RequestFailed, StateFollower, StreamBroken, TokenStreamReader
 from fleet_proto import (
     CancelRequest,
     GenerateTask,
@@ -28,7 +29,7 @@ from fleet_proto import (
     TokenChunk,
 )
 from fleet_proto.routing import DEFAULT_DISAGG_MIN_TOKENS, route
-from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, cancel_subject
+from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, TASK_STREAM, cancel_subject
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, block_hashes
 
 log = logging.getLogger("fleet_gateway")
@@ -38,6 +39,8 @@ ROUTE_TIMEOUT_S = 1.0
 # its missing 1 Hz metrics within NODE_SILENCE_S.
 STALL_TIMEOUT_S = 600.0
 NODE_SILENCE_S = 3.5
+# A task whose worker died before taking it is sent to another instance, at most this many times.
+MAX_REROUTES = 2
 
 
 class NoInstance(Exception):
@@ -109,52 +112,83 @@ class Generator:
     ) -> AsyncIterator[TokenChunk]:
         """Route, send the task, stream its chunks; with a KV fingerprint the prompt's block hashes go
         along, so the scheduler can route to cached prefixes and the worker can look them up.
-        disaggregate ("auto" | "always" | "never") and transport choose remote prefill."""
+        disaggregate ("auto" | "always" | "never") and transport choose remote prefill.
+        A worker that dies before taking the task (it is still in the work queue) does not fail the
+        request: the task is withdrawn from the queue and routed to another node."""
         started = time.monotonic()
         hashes = (
             tuple(block_hashes(kv_fingerprint, prompt_token_ids, self._kv_block_size))
             if kv_fingerprint
             else ()
         )
-        decision = await self._route(
-            RouteRequest(
-                request_id=request_id,
-                model_id=model_id,
-                prompt_tokens=len(prompt_token_ids),
-                block_hashes=hashes,
-                kv_fingerprint=kv_fingerprint,
-                disaggregate=disaggregate,
-            )
+        route_request = RouteRequest(
+            request_id=request_id,
+            model_id=model_id,
+            prompt_tokens=len(prompt_token_ids),
+            block_hashes=hashes,
+            kv_fingerprint=kv_fingerprint,
+            disaggregate=disaggregate,
         )
+        decision = await self._route(route_request)
         if not decision.instance_id:
             raise NoInstance(decision.error)
-        worker_id = decision.worker_id
+        target = [decision.worker_id]  # the worker the task is with now (re-routing changes it)
         reader = TokenStreamReader(
-            self._bus, request_id, STALL_TIMEOUT_S, producer_alive=lambda: self._liveness.alive(worker_id)
+            self._bus, request_id, STALL_TIMEOUT_S, producer_alive=lambda: self._liveness.alive(target[0])
         )
         await reader.open()
         finished = False
         first_token_at = 0.0
         try:
-            task = GenerateTask(
-                request_id=request_id,
-                instance_id=decision.instance_id,
-                prompt_token_ids=tuple(prompt_token_ids),
-                sampling=sampling,
-                block_hashes=hashes,
-                kv_fingerprint=kv_fingerprint,
-                prefill=prefill_plan(decision, transport),
-            )
-            await self._bus.publish_task(worker_id, task)
-            async for chunk in reader.chunks():
-                finished = bool(chunk.finish_reason)
-                if chunk.token_ids and not first_token_at:
-                    first_token_at = time.monotonic()
-                if finished:  # before the last chunk goes out: a streaming reader stops at it
-                    await self._publish_stats(
-                        request_id, model_id, decision, len(prompt_token_ids), started, first_token_at, chunk
+            for attempt in range(MAX_REROUTES + 1):
+                task = GenerateTask(
+                    request_id=request_id,
+                    instance_id=decision.instance_id,
+                    prompt_token_ids=tuple(prompt_token_ids),
+                    sampling=sampling,
+                    block_hashes=hashes,
+                    kv_fingerprint=kv_fingerprint,
+                    prefill=prefill_plan(decision, transport),
+                )
+                seq = await self._bus.publish_task(decision.worker_id, task)
+                received = False
+                try:
+                    async for chunk in reader.chunks():
+                        received = True
+                        finished = bool(chunk.finish_reason)
+                        if chunk.token_ids and not first_token_at:
+                            first_token_at = time.monotonic()
+                        if finished:  # before the last chunk goes out: a streaming reader stops at it
+                            await self._publish_stats(
+                                request_id,
+                                model_id,
+                                decision,
+                                len(prompt_token_ids),
+                                started,
+                                first_token_at,
+                                chunk,
+                            )
+                        yield chunk
+                    return
+                except StreamBroken:
+                    dead = decision.worker_id
+                    if received or attempt == MAX_REROUTES or self._liveness.alive(dead):
+                        raise
+                    if not await self._withdraw(seq):  # the worker took it before dying: it ran there
+                        raise
+                route_request = msgspec.structs.replace(
+                    route_request, avoid_nodes=(*route_request.avoid_nodes, dead)
+                )
+                decision = await self._route(route_request)
+                if not decision.instance_id:
+                    raise StreamBroken(
+                        f"the worker for request {request_id} died before starting it, and {decision.error}"
                     )
-                yield chunk
+                log.warning(
+                    "request %s: worker %s died before taking the task; re-routed to %s",
+                    request_id, dead, decision.worker_id,
+                )  # fmt: skip
+                target[0] = decision.worker_id
         finally:
             if not finished:  # client gone or stream broken: stop the engine's work too
                 with contextlib.suppress(Exception):
@@ -162,6 +196,13 @@ class Generator:
                         self._bus.publish(cancel_subject(request_id), CancelRequest(request_id=request_id))
                     )
             await reader.close()
+
+    async def _withdraw(self, seq: int) -> bool:
+        """Take a task back from its work queue; False when it is gone (a worker acked it: started)."""
+        try:
+            return bool(await self._bus.js.delete_msg(TASK_STREAM.name, seq))
+        except NotFoundError:
+            return False
 
     async def _publish_stats(
         self,

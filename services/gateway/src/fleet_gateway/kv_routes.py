@@ -48,7 +48,7 @@ def kv_routes(
         try:
             summary = await asyncio.wait_for(index.summary(), INDEX_TIMEOUT_S)
         except Exception as exc:  # the index is advisory: say why it is missing, serve the rest
-            error = f"KV index unavailable: {exc or type(exc).__name__}"
+            error = f"KV index (Redis) unavailable: {exc or type(exc).__name__}"
         return web.json_response(kv_view(block_size, summary, error, nodes()))
 
     return [web.get("/kv", get_kv)]

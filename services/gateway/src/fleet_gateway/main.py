@@ -8,6 +8,7 @@ the dashboard at / (its assets under /ui/, node series at /dashboard/series).
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -16,14 +17,17 @@ from aiohttp import web
 from fleet_gateway.admin import admin_routes
 from fleet_gateway.anthropic_routes import anthropic_routes
 from fleet_gateway.app import state_routes
+from fleet_gateway.auth import KeyRing, auth_middleware
 from fleet_gateway.dashboard_routes import dashboard_routes
 from fleet_gateway.errors import error_middleware
 from fleet_gateway.generation import Generator, NodeLiveness
 from fleet_gateway.kv_routes import kv_routes
+from fleet_gateway.limits import RateLimiter, StreamLimiter, limits_middleware
 from fleet_gateway.models import ModelCatalog
 from fleet_gateway.ollama_routes import ollama_routes
 from fleet_gateway.openai_routes import openai_routes
 from fleet_gateway.openapi import openapi_document
+from fleet_gateway.sampling import RequestLimits
 from fleet_gateway.turns import Turns
 from fleet_proto import ServiceKind
 from fleet_runtime.health import health_handler, start_http
@@ -31,7 +35,9 @@ from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
 from fleet_store.kv_index import KVIndex
 
-MAX_BODY_BYTES = 8 * 2**20
+log = logging.getLogger("fleet_gateway")
+# A limit check must not wait on a dead Redis: it fails open after this.
+LIMITS_REDIS_TIMEOUT_S = 0.5
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -44,18 +50,38 @@ async def main(ctx: ServiceContext) -> None:
         ctx.bus, ctx.follower, liveness, ctx.settings.kv_block_size, ctx.settings.disagg_min_tokens
     )
 
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    settings = ctx.settings
+    keys = KeyRing.from_settings(settings.api_keys, settings.admin_keys)
+    if not keys.enabled:
+        log.warning("no FLEET_API_KEYS or FLEET_ADMIN_KEYS: the gateway's APIs are open to anyone")
+    limits_redis = aioredis.from_url(
+        settings.redis_url,
+        socket_connect_timeout=LIMITS_REDIS_TIMEOUT_S,
+        socket_timeout=LIMITS_REDIS_TIMEOUT_S,
+    )
+    middlewares = [
+        error_middleware,
+        auth_middleware(keys),
+        limits_middleware(
+            StreamLimiter(settings.max_streams_per_key),
+            RateLimiter(limits_redis, settings.rate_limit_per_s, settings.rate_limit_burst),
+        ),
+    ]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
     app.add_routes(state_routes(ctx.follower))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
-    turns = Turns(generator, catalog, ctx.follower)
+    limits = RequestLimits(settings.max_prompt_tokens, settings.max_completion_tokens)
+    turns = Turns(generator, catalog, ctx.follower, limits)
     app.add_routes(openai_routes(turns, ctx.follower))
     app.add_routes(anthropic_routes(turns))
     app.add_routes(ollama_routes(turns, ctx.follower))
     document = openapi_document()
     app.router.add_get("/openapi.json", lambda _: web.json_response(document))
     kv_index = KVIndex.from_url(ctx.settings.redis_url)
-    series_redis = aioredis.from_url(ctx.settings.redis_url)
+    series_redis = aioredis.from_url(
+        ctx.settings.redis_url, socket_connect_timeout=2, socket_timeout=2
+    )  # a dead Redis: a 503 in seconds
     app.add_routes(dashboard_routes(ctx.follower, series_redis, liveness.live_samples))
     app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(
@@ -67,6 +93,7 @@ async def main(ctx: ServiceContext) -> None:
         await metrics_sub.unsubscribe()
         await kv_index.close()
         await series_redis.aclose()
+        await limits_redis.aclose()
         store.close()
 
     ctx.on_shutdown(close)

@@ -55,10 +55,48 @@ def check_sampling(ask: SamplingAsk, names: dict[str, str] | None = None) -> Non
             )
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the gateway's operator allows one request (FLEET_MAX_PROMPT_TOKENS,
+    FLEET_MAX_COMPLETION_TOKENS); 0: only the model's context limits it."""
+
+    max_prompt_tokens: int = 0
+    max_completion_tokens: int = 0
+
+
+NO_LIMITS = RequestLimits()
+
+
+def check_limits(ask: SamplingAsk, prompt_len: int, max_model_len: int, limits: RequestLimits) -> None:
+    """400 naming the operator's limit (and the model's context, so the client knows which bound hit)."""
+    if limits.max_prompt_tokens and prompt_len > limits.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"The prompt has {prompt_len} tokens; this server accepts at most {limits.max_prompt_tokens} "
+            f"prompt tokens per request (the model's context is {max_model_len}).",
+            param="messages",
+            code="prompt_too_long",
+        )
+    if limits.max_completion_tokens and ask.max_tokens and ask.max_tokens > limits.max_completion_tokens:
+        raise ApiError(
+            400,
+            f"Invalid '{ask.max_tokens_param}': {ask.max_tokens}; this server generates at most "
+            f"{limits.max_completion_tokens} tokens per request.",
+            param=ask.max_tokens_param,
+            code="max_tokens_too_large",
+        )
+
+
 def to_sampling(
-    ask: SamplingAsk, eos_ids: tuple[int, ...] | list[int], max_model_len: int, prompt_len: int
+    ask: SamplingAsk,
+    eos_ids: tuple[int, ...] | list[int],
+    max_model_len: int,
+    prompt_len: int,
+    limits: RequestLimits = NO_LIMITS,
 ) -> SamplingParams:
-    """SamplingParams for the worker; 400 when the prompt plus the completion exceed the context."""
+    """SamplingParams for the worker; 400 when the prompt plus the completion exceed the context or
+    the request exceeds the operator's limits."""
+    check_limits(ask, prompt_len, max_model_len, limits)
     room = max_model_len - prompt_len
     if room < 1:
         raise ApiError(
@@ -70,7 +108,7 @@ def to_sampling(
         )
     requested = ask.max_tokens
     if requested is None:
-        max_tokens = min(ask.default_max_tokens, room)
+        max_tokens = min(ask.default_max_tokens, room, limits.max_completion_tokens or room)
     elif requested > room:
         raise ApiError(
             400,

@@ -29,7 +29,7 @@ from fleet_gateway.parsing.output import Delta, TokenScore
 from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
 from fleet_gateway.parsing.reasoning import ThinkParser
 from fleet_gateway.parsing.tools import PARSERS, infer_tool_parser
-from fleet_gateway.sampling import SamplingAsk, engine_finish_reason, to_sampling
+from fleet_gateway.sampling import NO_LIMITS, RequestLimits, SamplingAsk, engine_finish_reason, to_sampling
 from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_proto import SamplingParams, TokenChunk
@@ -220,7 +220,14 @@ async def collect(run: Run) -> tuple[Delta, Finished]:
 class Turns:
     """Model resolution, prompt rendering and starting runs, for every API adapter."""
 
-    def __init__(self, generator: Generator, catalog: ModelCatalog, follower: StateFollower) -> None:
+    def __init__(
+        self,
+        generator: Generator,
+        catalog: ModelCatalog,
+        follower: StateFollower,
+        limits: RequestLimits = NO_LIMITS,
+    ) -> None:
+        self._limits = limits
         self._generator = generator
         self._catalog = catalog
         self._follower = follower
@@ -263,11 +270,10 @@ class Turns:
         step = TextStep(model, stops, split_reasoning=False)
         return Prepared(model, prompt, self.sampling(model, ask, len(prompt)), step)
 
-    @staticmethod
-    def sampling(model: ModelInfo, ask: SamplingAsk, prompt_len: int) -> SamplingParams:
+    def sampling(self, model: ModelInfo, ask: SamplingAsk, prompt_len: int) -> SamplingParams:
         if prompt_len == 0:
             raise ApiError(400, "The prompt is empty: it encodes to no tokens.", param="prompt")
-        return to_sampling(ask, model.tokenizer.eos_token_ids, model.max_model_len, prompt_len)
+        return to_sampling(ask, model.tokenizer.eos_token_ids, model.max_model_len, prompt_len, self._limits)
 
     async def start(self, request_id: str, prepared: Prepared, **choices: str) -> Run:
         """Route and send the task; wait for its first chunk (errors here are still responses)."""

@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 
 import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
 from nats.aio.msg import Msg
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fleet_metrics.api import nodes_view
 from fleet_metrics.registry import CONTENT_TYPE, FleetMetrics
@@ -28,8 +32,42 @@ REQUEST_STATS_SUBJECT = "fleet.stats.request"
 SERIES_INTERVAL_S = 1.0  # at most one Redis write per node per interval
 MAX_REQUESTS_PER_FLUSH = 1000  # finished requests written per interval (the rest wait for the next)
 
+REDIS_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
 _metrics_decoder = msgspec.json.Decoder(NodeMetrics)
 _stats_decoder = msgspec.json.Decoder(RequestStats)
+
+
+class SeriesWriter:
+    """Writes one interval's series points to Redis. The series are advisory: when Redis cannot be
+    reached, the rest of that interval's batch is dropped (a Redis that hangs costs one socket timeout
+    per interval, not one per point) and the outage is logged once, with one line when writes work
+    again; any other Redis error costs only its own point."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._client = client
+        self.failing = False
+
+    async def flush(
+        self, requests: list[tuple[RequestStats, float]], samples: dict[str, NodeMetrics]
+    ) -> None:
+        writes = [
+            *((r.node_id, partial(series.record_request, self._client, r, at)) for r, at in requests),
+            *((n, partial(series.record, self._client, n, sample)) for n, sample in samples.items()),
+        ]
+        for node_id, write in writes:
+            try:
+                await write()
+            except REDIS_UNREACHABLE as exc:
+                if not self.failing:
+                    log.warning("series writes to Redis fail, dropping points until it answers: %s", exc)
+                self.failing = True
+                return
+            except RedisError as exc:
+                log.warning("series write for %s failed: %s", node_id, exc)
+        if self.failing and writes:
+            log.info("series writes to Redis work again")
+            self.failing = False
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -69,6 +107,8 @@ async def main(ctx: ServiceContext) -> None:
         metrics.observe_request(stats)
         finished.append((stats, time.time()))
 
+    writer = SeriesWriter(client)
+
     async def write_series() -> None:
         # Flushes the newest pending sample of each node once per interval, so Redis sees at most
         # one write per node per second whatever the publish rate, and NATS callbacks never wait on it.
@@ -78,16 +118,7 @@ async def main(ctx: ServiceContext) -> None:
             pending.clear()
             requests = finished[:MAX_REQUESTS_PER_FLUSH]
             del finished[: len(requests)]
-            for stats, at in requests:
-                try:
-                    await series.record_request(client, stats, at)
-                except (aioredis.RedisError, OSError) as exc:
-                    log.warning("request series write for %s failed: %s", stats.node_id, exc)
-            for node_id, sample in batch.items():
-                try:
-                    await series.record(client, node_id, sample)
-                except (aioredis.RedisError, OSError) as exc:
-                    log.warning("series write for %s failed: %s", node_id, exc)
+            await writer.flush(requests, batch)
 
     sub = await ctx.bus.nc.subscribe(METRICS_SUBJECT, cb=on_metrics)
     ctx.on_shutdown(sub.unsubscribe)
@@ -109,7 +140,11 @@ async def main(ctx: ServiceContext) -> None:
             metric, window_s = parse_series_query(request.query)
         except BadQuery as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        points = await series.read(client, node_id, metric, window_s)
+        try:
+            points = await series.read(client, node_id, metric, window_s)
+        except (RedisError, OSError) as exc:  # the series live in Redis: say it is down
+            reason = f"the metrics store (Redis) is unavailable: {exc or 'no answer'}"
+            return web.json_response({"error": reason}, status=503)
         return web.json_response([[ts, value] for ts, value in points])
 
     ctx.routes += [

@@ -44,6 +44,11 @@ MARGIN_S = 0.5
 _NATS_TROUBLE = (TimeoutError, OSError, nats.errors.Error)
 
 
+def _why(exc: BaseException) -> str:
+    """An exception for a log line: its message, or its type when it has none (nats timeouts)."""
+    return str(exc) or type(exc).__name__
+
+
 class LeaseValue(msgspec.Struct, kw_only=True):
     """The JSON stored under the lease key: who leads, since when (unix time), and where it runs."""
 
@@ -194,7 +199,7 @@ class LeaderLease:
                 async with asyncio.timeout(self._bus.timeout_s):
                     await self._kv.delete(self.key, last=revision)
             except (*_NATS_TROUBLE, KeyWrongLastSequenceError) as exc:  # wrong last seq: not ours anymore
-                log.warning("could not release the leader lease (it will expire): %s", exc or type(exc))
+                log.warning("could not release the leader lease (it will expire): %s", _why(exc))
             else:
                 log.info("%s released the leader lease", self.holder_id)
 
@@ -209,7 +214,7 @@ class LeaderLease:
             except (*_NATS_TROUBLE, BucketNotFoundError) as exc:
                 raise_if_cancelling()
                 if not warned:
-                    log.warning("leader bucket %s not available yet: %s", LEADER_BUCKET, exc or type(exc))
+                    log.warning("leader bucket %s not available yet: %s", LEADER_BUCKET, _why(exc))
                     warned = True
                 await self._sleep(self.retry_every_s)
                 continue
@@ -246,7 +251,7 @@ class LeaderLease:
             except _NATS_TROUBLE as exc:
                 raise_if_cancelling()
                 if not warned:
-                    log.warning("cannot reach the leader lease: %s", exc or type(exc))
+                    log.warning("cannot reach the leader lease: %s", _why(exc))
                     warned = True
             if revision is not None and time.monotonic() < sent + self.ttl_s - self.margin_s:
                 self._value = payload
@@ -301,7 +306,7 @@ class LeaderLease:
                 return
             except _NATS_TROUBLE as exc:
                 raise_if_cancelling()
-                log.warning("renewing the leader lease failed, retrying: %s", exc or type(exc))
+                log.warning("renewing the leader lease failed, retrying: %s", _why(exc))
                 wait = min(self.retry_every_s, self.renew_every_s)
                 continue
             self._revision = revision

@@ -43,6 +43,7 @@ from fleet_store.kv_index import TIER2, KVIndex, cached_prefix_blocks, tokens_by
 
 log = logging.getLogger("fleet_scheduler")
 LIVENESS_CHECK_S = 1.0
+KV_LOOKUP_TIMEOUT_S = 0.2  # per route request: Redis down costs a request no more
 
 
 class LoadTracker:
@@ -66,6 +67,39 @@ class LoadTracker:
     def load(self) -> dict[str, int]:
         keys = self.reported.keys() | self.routed_since_report.keys()
         return {k: self.reported.get(k, 0) + self.routed_since_report.get(k, 0) for k in keys}
+
+
+class KVLookup:
+    """The KV index reads of routing, bounded by `timeout_s`: the index is advisory, so a Redis that is
+    down or slow costs a request at most that, and routing falls back to load alone. One warning
+    when lookups start failing and one line when they work again, not one per request."""
+
+    def __init__(self, index: KVIndex, block_size: int, timeout_s: float = KV_LOOKUP_TIMEOUT_S) -> None:
+        self._index = index
+        self._block_size = block_size
+        self._timeout_s = timeout_s
+        self.failing = False
+
+    async def cached_prefixes(self, request: RouteRequest) -> tuple[dict[str, int], int, str]:
+        """Per node, the request's leading prompt tokens in memory there; those in object storage;
+        and why the index was not used ("" when it was, or when the request has no block hashes)."""
+        if not request.block_hashes or not request.kv_fingerprint:
+            return {}, 0, ""
+        try:
+            holders = await asyncio.wait_for(
+                self._index.holders(request.kv_fingerprint, request.block_hashes), self._timeout_s
+            )
+        except Exception as exc:
+            why = str(exc) or f"no answer within {self._timeout_s} s"
+            if not self.failing:
+                log.warning("KV index (Redis) lookups fail, routing by load only: %s", why)
+            self.failing = True
+            return {}, 0, f"KV index unavailable ({why}): routed by load only"
+        if self.failing:
+            log.info("KV index (Redis) answers again: KV-aware routing resumed")
+            self.failing = False
+        tokens = tokens_by_holder(cached_prefix_blocks(holders), self._block_size)
+        return tokens, tokens.pop(TIER2, 0), ""
 
 
 async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> None:
@@ -119,8 +153,10 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
 async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker) -> None:
     """Leader only: fail over nodes whose metrics stopped (a node starts its clock when first seen)."""
     timeout_s = ctx.settings.node_timeout_s
-    for node_id in ctx.follower.state.nodes:  # a new leader gives every node a full timeout
-        tracker.last_seen.setdefault(node_id, time.monotonic())
+    # A new leader gives every node a full timeout: what it heard before it led says nothing, e.g. it
+    # stepped down because NATS was down (no metrics came from anyone) and leads again now.
+    for node_id in ctx.follower.state.nodes:
+        tracker.last_seen[node_id] = time.monotonic()
     while True:
         await asyncio.sleep(LIVENESS_CHECK_S)
         state = ctx.follower.state
@@ -162,29 +198,15 @@ async def main(ctx: ServiceContext) -> None:
     metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=on_metrics)
     ctx.on_shutdown(metrics_sub.unsubscribe)
 
-    kv_index = KVIndex(client)
-    block_size = ctx.settings.kv_block_size
-
-    async def cached_prefixes(request: RouteRequest) -> tuple[dict[str, int], int]:
-        """Per node, the request's leading prompt tokens in memory there; and those in object storage.
-        Without the index (Redis down, no hashes) routing falls back to load alone."""
-        if not request.block_hashes or not request.kv_fingerprint:
-            return {}, 0
-        try:
-            holders = await asyncio.wait_for(
-                kv_index.holders(request.kv_fingerprint, request.block_hashes), 0.2
-            )
-        except Exception as exc:
-            log.warning("KV index lookup failed, routing by load only: %s", exc)
-            return {}, 0
-        tokens = tokens_by_holder(cached_prefix_blocks(holders), block_size)
-        return tokens, tokens.pop(TIER2, 0)
+    lookup = KVLookup(KVIndex(client), ctx.settings.kv_block_size)
 
     async def on_route(request: RouteRequest):
-        cached, tier2 = await cached_prefixes(request)
+        cached, tier2, unindexed = await lookup.cached_prefixes(request)
         reply = route(
             ctx.follower.state, request, tracker.load(), cached, tier2, ctx.settings.disagg_min_tokens
         )
+        if unindexed and reply.instance_id:  # say so: "0 tokens cached" alone reads like a cold cache
+            reply = msgspec.structs.replace(reply, reason=f"{reply.reason}; {unindexed}")
         if reply.instance_id:
             tracker.on_routed(reply.instance_id, request.prompt_tokens)
         if reply.prefill_instance_id:

@@ -52,10 +52,40 @@ async function readJSON(res) {
   try { return await res.json(); } catch { return null; }
 }
 
+// A gateway with API keys answers 401 (no or wrong key) or 403 (an admin action): ask once for the
+// key, keep it in this browser and send it as a bearer token. A SameSite=Strict cookie carries it
+// too, for the GET requests EventSource makes (it cannot set headers); the gateway takes the cookie
+// on GET requests only.
+const KEY_STORAGE = "fleet_api_key";
+let keyAsked = false;
+
+function rememberKey(key) {
+  localStorage.setItem(KEY_STORAGE, key);
+  document.cookie = `${KEY_STORAGE}=${key}; path=/; SameSite=Strict`;
+}
+
+if (localStorage.getItem(KEY_STORAGE)) rememberKey(localStorage.getItem(KEY_STORAGE));
+
+async function authorizedFetch(url, init = {}) {
+  for (;;) {
+    const key = localStorage.getItem(KEY_STORAGE);
+    const headers = { ...(init.headers || {}), ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+    const res = await fetch(url, { ...init, headers });
+    if ((res.status !== 401 && res.status !== 403) || keyAsked) return res;
+    keyAsked = true;  // one prompt per page load, not one per refresh
+    const asked = window.prompt(res.status === 401
+      ? "This Fleet gateway needs an API key (`fleet key` prints it):"
+      : "This action needs the admin key (`fleet key --admin` prints it):");
+    if (!asked) return res;
+    rememberKey(asked.trim());
+    keyAsked = false;
+  }
+}
+
 async function requestJSON(method, url, body) {
   const init = body === undefined ? { method }
     : { method, headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
-  const res = await fetch(url, init);
+  const res = await authorizedFetch(url, init);
   const data = await readJSON(res);
   if (!res.ok) throw new Error(errorMessage(data, res.status));
   return data;
@@ -484,7 +514,7 @@ function handleSseEvent(block, assistant, stats) {
 }
 
 async function streamReply(model, messages, assistant, stats, signal) {
-  const res = await fetch("/v1/chat/completions", {
+  const res = await authorizedFetch("/v1/chat/completions", {
     method: "POST", signal, headers: { "Content-Type": "application/json" },
     body: JSON.stringify({ model, messages, stream: true,
       stream_options: { include_usage: true }, max_tokens: 256 }),
