@@ -190,3 +190,16 @@ async def until_state(session: aiohttp.ClientSession, gateway: str, predicate, t
             f"timed out; state: {state['instances']} nodes {list(state['nodes'])}"
         )
         await asyncio.sleep(0.2)
+
+
+def engine_children(worker_pid: int) -> list[int]:
+    """PIDs of a worker's live engine processes (multiprocessing's spawn children; a killed one
+    that is not reaped yet is left out)."""
+    import psutil
+
+    pids = []
+    for child in psutil.Process(worker_pid).children():
+        with contextlib.suppress(psutil.Error):  # gone, or a zombie until the worker reaps it
+            if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+    return pids

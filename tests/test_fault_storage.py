@@ -39,7 +39,7 @@ from fleet_local.processes import pid_alive
 from fleet_local.servers import ServerHandle, restart
 from fleet_proto import CreateInstance, DownloadProgressed, RouteDecided
 from fleet_proto.subjects import ROUTE_DECIDED_SUBJECT, event_subject
-from tests.support import MESSAGES, MODEL, TokenTap, embedded_stack, make_chat_model
+from tests.support import MESSAGES, MODEL, TokenTap, embedded_stack, engine_children, make_chat_model
 
 OTHER = "tiny/llama-other"  # staged before the faults, never served: its files are on no worker
 LATE = "tiny/llama-late"  # staged while object storage is down (fails), then after the restart
@@ -468,3 +468,36 @@ async def test_object_storage_that_hangs_costs_seconds_and_never_stops_serving(f
         f"{creating_s:.1f} s; the first long prompt took {first_s:.1f} s (a short one beside it "
         f"{short_s:.1f} s), the next long one {second_s:.2f} s"
     )
+
+
+async def test_an_engine_that_crashes_while_object_storage_is_down_restarts_from_cached_files(
+    fleet: Fleet,
+) -> None:
+    fleet.ensure_running("s3")
+    worker = fleet.handle("engine-worker")
+    [child] = engine_children(worker.pid)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    async with aiohttp.ClientSession() as session:  # the gateway has the model's tokenizer in memory
+        async with session.post(f"{fleet.gateway}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+    fleet.kill("s3")
+    try:
+        os.kill(child, signal.SIGKILL)
+        killed_at = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):  # the worker has restarted the engine from its cache
+                async with session.get(f"{fleet.gateway}/state") as response:
+                    instances = (await response.json())["instances"].values()
+                restarted = engine_children(worker.pid) not in ([], [child])
+                if restarted and any(i["node_id"] and i["status"] == "ready" for i in instances):
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError(f"no instance came back: {list(instances)}")
+            back_s = time.monotonic() - killed_at
+            async with session.post(f"{fleet.gateway}/v1/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+        assert "starts from its cached files" in fleet.log("engine-worker")
+        print(f"\nengine restarted from the cache {back_s:.1f} s after the kill, object storage down")
+    finally:
+        fleet.bring_back("s3")

@@ -27,7 +27,15 @@ from fleet_bus import Bus
 from fleet_local import stack
 from fleet_local.processes import spawn, stop_pid
 from fleet_proto import RouteDecided
-from tests.support import MESSAGES, MODEL, embedded_stack, make_chat_model, until_state, worker_env
+from tests.support import (
+    MESSAGES,
+    MODEL,
+    embedded_stack,
+    engine_children,
+    make_chat_model,
+    until_state,
+    worker_env,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +46,6 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackMani
         root / "state", MODEL, model_dir, env={**os.environ, "FLEET_NODE_ID": "w1"}
     ) as manifest:
         yield manifest
-
-
-def engine_children(worker_pid: int) -> list[int]:
-    """PIDs of the worker's engine processes (multiprocessing's spawn children)."""
-    return [p.pid for p in psutil.Process(worker_pid).children() if "spawn_main" in " ".join(p.cmdline())]
 
 
 def chat(max_tokens: int, stream: bool = False) -> dict:

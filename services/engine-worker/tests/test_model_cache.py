@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from fleet_store import ModelManifest, ObjectNotFound, ObjectStore, file_key, stage_folder
 from fleet_store.layers import files_for_layers
-from fleet_store.manifest import local_file_matches
+from fleet_store.manifest import local_file_matches, model_file_paths
 from fleet_worker.model_cache import (
     COMPLETE_MARKER,
     LAST_USED_MARKER,
@@ -327,3 +327,16 @@ async def test_remove_drops_every_revision_not_in_use(
     assert await cache.evict(alpha.model_id, REV) is True
     assert await cache.evict(alpha.model_id, REV) is False
     assert cache.usage_bytes() == 0 and not (tmp_path / "models" / "org").exists()
+
+
+async def test_a_fetched_model_keeps_its_manifest_for_when_object_storage_is_down(
+    store: ObjectStore, bucket: str, models: dict[str, ModelManifest], tmp_path: Path
+) -> None:
+    alpha, beta, _ = models.values()
+    cache = _cache(tmp_path, bucket, limit=0)
+    assert cache.cached_manifest(alpha.model_id, REV) is None
+    folder = await cache.ensure(alpha, store)
+    assert cache.cached_manifest(alpha.model_id, REV) == alpha
+    assert [m.model_id for m in cache.models()] == ["org/alpha"]  # the copy is no model file
+    assert _keys(alpha) == {file_key(alpha.model_id, REV, p) for p in model_file_paths(folder)}
+    assert cache.cached_manifest(beta.model_id, REV) is None

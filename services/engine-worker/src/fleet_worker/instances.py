@@ -37,7 +37,14 @@ from fleet_proto import (
 )
 from fleet_proto.routing import KV_EXPORT_ENGINES, KV_IMPORT_ENGINES
 from fleet_runtime.service import ServiceContext
-from fleet_store import DEFAULT_REVISION, MODELS_BUCKET, ModelManifest, ObjectStore, load_manifest
+from fleet_store import (
+    DEFAULT_REVISION,
+    MODELS_BUCKET,
+    ModelManifest,
+    ObjectStore,
+    StoreUnavailable,
+    load_manifest,
+)
 from fleet_store.handoff import append_error
 from fleet_store.kv import manifest_fingerprint
 from fleet_store.layers import files_for_layers
@@ -340,9 +347,19 @@ class InstanceManager:
         await self._publish(InstanceDeleted(instance_id=iid, origin=self._ctx.service_id, at=time.time()))
 
     async def _fetch(self, instance: Instance) -> tuple[ModelManifest, Path]:
-        manifest = await asyncio.to_thread(
-            load_manifest, self._store, MODELS_BUCKET, instance.model_id, DEFAULT_REVISION
-        )
+        try:
+            manifest = await asyncio.to_thread(
+                load_manifest, self._store, MODELS_BUCKET, instance.model_id, DEFAULT_REVISION
+            )
+        except StoreUnavailable as error:  # the cached copy, when this node has one, still serves
+            manifest = self._cache.cached_manifest(instance.model_id, DEFAULT_REVISION)
+            if manifest is None:
+                raise
+            log.warning(
+                "object storage unavailable (%s): %s starts from its cached files",
+                error,
+                instance.instance_id,
+            )
         if instance.instance_id not in self._pinned:  # never evicted while this instance needs it
             self._cache.pin(instance.model_id, DEFAULT_REVISION)
             self._pinned.add(instance.instance_id)

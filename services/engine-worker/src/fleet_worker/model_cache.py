@@ -6,6 +6,8 @@ Markers in a model folder (hidden, so manifests and fetches never see them):
   scans for and the node advertises). A fetch of a shard's files only never writes it.
 - `.fleet-partial`: some files (a shard's) are present, or the last fetch failed.
 - `.fleet-last-used`: its mtime is the model's last use, so the LRU order survives a restart.
+- `.fleet-manifest.json`: the manifest the files were last fetched and verified against, so an
+  instance (an engine restart, a failover) can start from the cache while object storage is down.
 
 One asyncio task fetches a model at a time (per model id + revision): concurrent `ensure` calls that
 it covers wait for it instead of downloading again. A model `pin`ned by a running instance, or being
@@ -34,6 +36,7 @@ log = logging.getLogger("fleet_worker.model_cache")
 COMPLETE_MARKER = ".fleet-complete"
 PARTIAL_MARKER = ".fleet-partial"
 LAST_USED_MARKER = ".fleet-last-used"
+MANIFEST_COPY = ".fleet-manifest.json"
 MARKERS = frozenset({COMPLETE_MARKER, PARTIAL_MARKER, LAST_USED_MARKER})
 LIMIT_SETTING = "FLEET_MODEL_CACHE_BYTES"
 
@@ -107,10 +110,19 @@ class _Job:
                 log.exception("progress callback failed")
 
 
+def _write_manifest_copy(folder: Path, manifest: ModelManifest) -> None:
+    tmp = folder / (MANIFEST_COPY + ".tmp")
+    tmp.write_bytes(msgspec.json.encode(manifest))
+    tmp.replace(folder / MANIFEST_COPY)
+
+
 def _tree_size(folder: Path) -> int:
+    """Bytes of the model's files (the manifest copy is bookkeeping, not counted against the limit)."""
     total = 0
     for dirpath, _, files in os.walk(folder):
         for name in files:
+            if name == MANIFEST_COPY:
+                continue
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
     return total
@@ -221,6 +233,14 @@ class ModelCache:
         ]
 
     # -- pins ----------------------------------------------------------------------------------------
+    def cached_manifest(self, model_id: str, revision: str) -> ModelManifest | None:
+        """The manifest this node's copy of the model was last verified against, if it has one."""
+        path = self.folder(model_id, revision) / MANIFEST_COPY
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=ModelManifest)
+        except (OSError, msgspec.DecodeError):
+            return None
+
     def pin(self, model_id: str, revision: str) -> None:
         """A running instance uses the model: never evict it until as many unpin() calls."""
         key = (model_id, revision)
@@ -335,6 +355,7 @@ class ModelCache:
                     await self._changed()
                 raise
             became_complete = await asyncio.to_thread(self._mark_done, folder, job.paths is None)
+            await asyncio.to_thread(_write_manifest_copy, folder, manifest)
             self._stamp(folder)  # used now (the fetch may have taken a while)
             if became_complete:
                 await self._changed()
