@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from fleet_bus.auth import redacted
 from fleet_local import stack
 from fleet_local.bootstrap import DEFAULT_MODEL, DEFAULT_SOURCE, BootstrapError, stage_and_serve
 from fleet_local.processes import StartupError, http_ok, pid_alive
@@ -67,7 +68,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     print(f"  gateway  {manifest.gateway_url}   (try: curl{auth} {manifest.gateway_url}/state)")
     print(f"  events   {manifest.gateway_url}/events")
     print(f"  metrics  {manifest.metrics_url}")
-    print(f"  nats     {manifest.nats_url}")
+    print(
+        f"  nats     {redacted(manifest.nats_url)}   "
+        f"(with its password: jq -r .nats_url {manifest.state_dir}/stack.json)"
+    )
     print(f"  logs     {manifest.state_dir}/logs/")
     if manifest.api_key:
         print(f"  keys     `{fleet} key` (API), `{fleet} key --admin`; in {manifest.state_dir}/secrets.json")
