@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
+from loadgen import auth_headers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ async def serve_on(gateway: str, model: str, node: str, layers: int, **extra: st
 
 
 async def delete(gateway: str, instance_id: str) -> None:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(admin=True)) as session:
         await call(session, "DELETE", f"{gateway}/instances/{instance_id}")
         await until(session, gateway, lambda s: instance_id not in s["instances"], 120)
 

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import statistics
 import threading
 import time
@@ -247,9 +248,17 @@ async def stream_chat(
     return result
 
 
+def auth_headers(admin: bool = False) -> dict[str, str]:
+    """The key a Fleet gateway with API keys wants: $FLEET_ADMIN_KEY for admin calls, else
+    $FLEET_API_KEY (or $OPENAI_API_KEY); nothing when unset (peers and --no-auth stacks)."""
+    names = ("FLEET_ADMIN_KEY",) if admin else ("FLEET_API_KEY", "OPENAI_API_KEY")
+    key = next((os.environ[n] for n in names if os.environ.get(n)), "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def http_round(url: str, model: str, prompts: Iterable[list[dict]], max_tokens: int) -> RoundResult:
     timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
         started = time.perf_counter()
         streams = await asyncio.gather(*(stream_chat(session, url, model, p, max_tokens) for p in prompts))
     return RoundResult(list(streams), time.perf_counter() - started)

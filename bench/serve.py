@@ -10,6 +10,8 @@ concurrency, streamed greedy chat completions.
 With --place ENGINE the target is a Fleet gateway: the sweep places its own instance of the model on
 that engine first (waiting until it is ready) and deletes it at the end, as the seed's exo_bench
 sets up and tears down instances; --ensure-cuda refuses to run unless a CUDA node offers vLLM.
+A gateway with API keys takes them from $FLEET_API_KEY (requests) and $FLEET_ADMIN_KEY (--place):
+`FLEET_API_KEY=$(fleet key) FLEET_ADMIN_KEY=$(fleet key --admin) fleet bench serve --url ...`.
 
 Per workload: TTFT p50/p99, TPOT p50, decode tok/s per stream, aggregate tok/s, prompt tok/s
 (prompt tokens of a round / its slowest TTFT), peak memory of --pid's process tree (Fleet's whole
@@ -30,7 +32,16 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import REPO, call, delete, discard, scratch_dir, until, write_result
-from loadgen import Workload, chat_prompt, parse_lengths, round_prompts, summarize, sweep, word_count
+from loadgen import (
+    Workload,
+    auth_headers,
+    chat_prompt,
+    parse_lengths,
+    round_prompts,
+    summarize,
+    sweep,
+    word_count,
+)
 from peers import Side, http_side, token_counter
 from plots import line_plot
 
@@ -86,7 +97,7 @@ def cuda_vllm_nodes(capabilities: dict) -> list[str]:
 
 async def place_instance(gateway: str, model: str, engine: str) -> str:
     body = {"model": model, "engine": engine}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(admin=True)) as session:
         iid = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
         settled = lambda s: s["instances"].get(iid, {}).get("status") in ("ready", "failed")  # noqa: E731
         instance = (await until(session, gateway, settled, 1200))["instances"][iid]
@@ -97,7 +108,7 @@ async def place_instance(gateway: str, model: str, engine: str) -> str:
 
 
 async def capabilities_of(gateway: str) -> dict:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers()) as session:
         return await call(session, "GET", f"{gateway}/capabilities")
 
 

@@ -161,3 +161,15 @@ def test_the_table_says_whether_every_side_generated_the_full_count() -> None:
         report.generation_note(early)
         == "Sides stopped early (median tokens generated): llama.cpp 20 of 32 (64x32@1)."
     )
+
+
+def test_keys_for_a_keyed_gateway_come_from_the_environment(monkeypatch):
+    for name in ("FLEET_API_KEY", "OPENAI_API_KEY", "FLEET_ADMIN_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert loadgen.auth_headers() == {} == loadgen.auth_headers(admin=True)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-1")
+    assert loadgen.auth_headers() == {"Authorization": "Bearer sk-1"}
+    monkeypatch.setenv("FLEET_API_KEY", "fleet-1")
+    monkeypatch.setenv("FLEET_ADMIN_KEY", "fleet-admin-1")
+    assert loadgen.auth_headers() == {"Authorization": "Bearer fleet-1"}
+    assert loadgen.auth_headers(admin=True) == {"Authorization": "Bearer fleet-admin-1"}
