@@ -140,6 +140,21 @@ async def disconnect_mid_stream(manifest: stack.StackManifest, body: dict) -> tu
     return last, len(tap.token_ids(request_id))
 
 
+async def frames_until_done(response: aiohttp.ClientResponse, frame_timeout_s: float) -> list[str]:
+    """The rest of an OpenAI SSE stream, frame by frame, through `data: [DONE]` (each frame within
+    `frame_timeout_s`: a hung stream fails the test)."""
+    frames: list[str] = []
+    while not frames or frames[-1] != "data: [DONE]":
+        frame = await asyncio.wait_for(response.content.readuntil(b"\n\n"), frame_timeout_s)
+        frames.append(frame.decode().strip())
+    return frames
+
+
+def stream_errors(frames: list[str]) -> list[dict]:
+    """The `error` objects of a stream's error events."""
+    return [json.loads(f[6:])["error"] for f in frames if f.startswith("data: {") and '"error"' in f]
+
+
 def mlx_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
     """mlx-lm's own greedy generation on the same folder, in a separate process (MLX is per thread)."""
     code = (

@@ -27,9 +27,11 @@ from tests.support import (
     TokenTap,
     disconnect_mid_stream,
     embedded_stack,
+    frames_until_done,
     make_chat_model,
     mlx_greedy,
     prompt_ids,
+    stream_errors,
     tiny_tokenizer,
 )
 
@@ -294,13 +296,10 @@ async def test_worker_dying_mid_stream_ends_the_stream_with_an_error(chat_stack)
             await response.content.readuntil(b"\n\n")
             os.killpg(worker.pid, signal.SIGKILL)  # the worker and its engine process, no goodbye
             killed_at = time.monotonic()
-            frames = []
-            while not frames or frames[-1] != "data: [DONE]":
-                frame = (await asyncio.wait_for(response.content.readuntil(b"\n\n"), 15)).decode().strip()
-                frames.append(frame)
+            frames = await frames_until_done(response, 15)
     assert time.monotonic() - killed_at < 10
-    errors = [json.loads(f[6:]) for f in frames if f.startswith("data: {") and '"error"' in f]
-    assert errors and "stopped responding" in errors[0]["error"]["message"]
+    errors = stream_errors(frames)
+    assert errors and "stopped responding" in errors[0]["message"]
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,9 @@ from tests.support import (
     MODEL,
     embedded_stack,
     engine_children,
+    frames_until_done,
     make_chat_model,
+    stream_errors,
     until_state,
     worker_env,
 )
@@ -85,12 +87,9 @@ async def test_a_killed_engine_fails_its_streams_within_2_s_and_is_restarted(fau
                 await response.content.readuntil(b"\n\n")  # generating
                 os.kill(child, signal.SIGKILL)
                 killed_at = time.monotonic()
-                frames = []
-                while not frames or frames[-1] != "data: [DONE]":
-                    frame = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
-                    frames.append(frame.decode().strip())
+                frames = await frames_until_done(response, 5)
                 ended_s = time.monotonic() - killed_at
-            errors = [json.loads(f[6:])["error"] for f in frames if '"error"' in f]
+            errors = stream_errors(frames)
             assert errors and "killed by SIGKILL" in errors[0]["message"], frames[-3:]
             assert ended_s < 2.0, f"the stream ended {ended_s:.2f} s after the kill"
             print(f"stream ended {ended_s * 1000:.0f} ms after the engine was killed")

@@ -1,7 +1,7 @@
 """Fleet's NATS JetStream client: streams, typed publish/consume, request/reply, token streams."""
 
 from fleet_bus.auth import NatsAuth
-from fleet_bus.connection import Bus, BusError, BusUnavailable, RequestFailed
+from fleet_bus.connection import Bus, BusError, BusUnavailable, RequestFailed, error_text
 from fleet_bus.follower import StateFollower
 from fleet_bus.locks import kv_lock
 from fleet_bus.streams import ensure_streams
@@ -22,6 +22,7 @@ __all__ = [
     "consume_commands",
     "consume_tasks",
     "ensure_streams",
+    "error_text",
     "kv_lock",
     "publish_chunk",
 ]

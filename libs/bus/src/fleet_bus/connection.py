@@ -87,7 +87,6 @@ class Bus:
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self.disconnected_at: float | None = None  # monotonic time the current outage began
-        self.reconnects = 0
 
     def on_reconnected(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run `hook()` (as a task) after every reconnect: for state nats-py does not restore itself."""
@@ -146,7 +145,6 @@ class Bus:
         async def on_reconnected() -> None:
             down = time.monotonic() - bus.disconnected_at if bus.disconnected_at is not None else 0.0
             bus.disconnected_at = None
-            bus.reconnects += 1
             log.info("nats: reconnected to %s after %.1f s", shown, down)
             bus._run_reconnect_hooks()
 
@@ -300,7 +298,13 @@ def _last(subject: str) -> str:
     return subject.rsplit(".", 1)[-1]
 
 
+def error_text(exc: BaseException) -> str:
+    """An exception for a log line or an error message: its text, or its type when it has none
+    (nats-py's and asyncio's timeouts carry no message; `exc or ...` would print "")."""
+    return str(exc) or type(exc).__name__
+
+
 def _describe(exc: Exception) -> str:
     if isinstance(exc, NoStreamResponseError | NoRespondersError):
         return "JetStream did not answer: no responders"
-    return str(exc) or type(exc).__name__
+    return error_text(exc)

@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from fleet_bus.cancel import raise_if_cancelling
-from fleet_bus.connection import Bus
+from fleet_bus.connection import Bus, error_text
 from fleet_proto import Event, State, UnknownEventError, apply, decode_event
 from fleet_proto.subjects import EVT_STREAM
 
@@ -97,7 +97,7 @@ class StateFollower:
             except (TimeoutError, nats.errors.Error) as exc:
                 raise_if_cancelling()
                 if not warned:
-                    log.warning("following events again failed, retrying: %s", exc or type(exc).__name__)
+                    log.warning("following events again failed, retrying: %s", error_text(exc))
                     warned = True
                 await asyncio.sleep(RESUBSCRIBE_RETRY_S)
                 continue

@@ -26,7 +26,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from fleet_bus.cancel import raise_if_cancelling
-from fleet_bus.connection import Bus
+from fleet_bus.connection import Bus, error_text
 from fleet_proto import decode_command
 from fleet_proto.commands import Command
 from fleet_proto.subjects import CMD_STREAM, TASK_STREAM, command_subject, subject_token, task_subject
@@ -122,7 +122,7 @@ async def consume(
                 if bus.nc.is_closed:
                     raise
                 if not failing:
-                    log.warning("fetching from %s failed, retrying: %s", durable, exc or type(exc).__name__)
+                    log.warning("fetching from %s failed, retrying: %s", durable, error_text(exc))
                     failing = True
                 await asyncio.sleep(FETCH_RETRY_S)
                 if bus.nc.is_connected:  # JetStream said "no responders": create the consumer again

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 from aiohttp import web
 
+from fleet_bus import error_text
 from fleet_proto import NodeMetrics
 from fleet_store.kv_index import TIER2, KVIndex
 
@@ -48,7 +49,7 @@ def kv_routes(
         try:
             summary = await asyncio.wait_for(index.summary(), INDEX_TIMEOUT_S)
         except Exception as exc:  # the index is advisory: say why it is missing, serve the rest
-            error = f"KV index (Redis) unavailable: {exc or type(exc).__name__}"
+            error = f"KV index (Redis) unavailable: {error_text(exc)}"
         return web.json_response(kv_view(block_size, summary, error, nodes()))
 
     return [web.get("/kv", get_kv)]

@@ -8,6 +8,7 @@ into an outage.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -17,6 +18,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from fleet_bus import error_text
 from fleet_gateway.auth import IDENTITY
 from fleet_gateway.errors import ApiError, Handler
 
@@ -91,8 +93,9 @@ class StreamLimiter:
 class RateLimiter:
     """A token bucket per caller in Redis: `rate` requests per second, bursts of `burst`."""
 
-    def __init__(self, redis: aioredis.Redis | None, rate: float, burst: int) -> None:
+    def __init__(self, redis: aioredis.Redis | None, rate: float, burst: int, timeout_s: float = 0.5) -> None:
         self.rate = rate
+        self._timeout_s = timeout_s  # longer than this, Redis counts as unreachable (fail open)
         self.burst = max(burst, 1) if burst else max(int(rate), 1)
         self._redis = redis
         self._script = redis.register_script(TOKEN_BUCKET) if redis is not None and rate > 0 else None
@@ -103,12 +106,14 @@ class RateLimiter:
         if self._script is None:
             return
         try:
-            allowed, wait = await self._script(keys=[RATE_KEY_PREFIX + caller], args=[self.rate, self.burst])
-        except (RedisError, OSError) as exc:
+            allowed, wait = await asyncio.wait_for(
+                self._script(keys=[RATE_KEY_PREFIX + caller], args=[self.rate, self.burst]), self._timeout_s
+            )
+        except (RedisError, OSError) as exc:  # TimeoutError included
             now = time.monotonic()
             if now - self._warned_at >= WARN_EVERY_S:
                 self._warned_at = now
-                log.warning("rate limiting is off while Redis is unreachable: %s", exc)
+                log.warning("rate limiting is off while Redis is unreachable: %s", error_text(exc))
             return
         if not int(allowed):
             retry_after = max(1, round(float(wait) + 0.5))

@@ -38,6 +38,8 @@ from fleet_store.kv_index import KVIndex
 log = logging.getLogger("fleet_gateway")
 # A limit check must not wait on a dead Redis: it fails open after this.
 LIMITS_REDIS_TIMEOUT_S = 0.5
+# Every other Redis call (KV index summary, dashboard series) answers a 503 within seconds.
+REDIS_SOCKET_TIMEOUT_S = 2.0
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -54,17 +56,18 @@ async def main(ctx: ServiceContext) -> None:
     keys = KeyRing.from_settings(settings.api_keys, settings.admin_keys)
     if not keys.enabled:
         log.warning("no FLEET_API_KEYS or FLEET_ADMIN_KEYS: the gateway's APIs are open to anyone")
-    limits_redis = aioredis.from_url(
+    # One client for the KV index summary, the dashboard's series and the rate limiter.
+    redis = aioredis.from_url(
         settings.redis_url,
-        socket_connect_timeout=LIMITS_REDIS_TIMEOUT_S,
-        socket_timeout=LIMITS_REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
     )
     middlewares = [
         error_middleware,
         auth_middleware(keys),
         limits_middleware(
             StreamLimiter(settings.max_streams_per_key),
-            RateLimiter(limits_redis, settings.rate_limit_per_s, settings.rate_limit_burst),
+            RateLimiter(redis, settings.rate_limit_per_s, settings.rate_limit_burst, LIMITS_REDIS_TIMEOUT_S),
         ),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
@@ -78,12 +81,8 @@ async def main(ctx: ServiceContext) -> None:
     app.add_routes(ollama_routes(turns, ctx.follower))
     document = openapi_document()
     app.router.add_get("/openapi.json", lambda _: web.json_response(document))
-    kv_index = KVIndex.from_url(ctx.settings.redis_url)
-    series_redis = aioredis.from_url(
-        ctx.settings.redis_url, socket_connect_timeout=2, socket_timeout=2
-    )  # a dead Redis: a 503 in seconds
-    app.add_routes(dashboard_routes(ctx.follower, series_redis, liveness.live_samples))
-    app.add_routes(kv_routes(kv_index, ctx.settings.kv_block_size, liveness.live_samples))
+    app.add_routes(dashboard_routes(ctx.follower, redis, liveness.live_samples))
+    app.add_routes(kv_routes(KVIndex(redis), ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(
         app, ctx.settings.gateway_host, ctx.settings.gateway_port, cancel_on_disconnect=True
     )
@@ -91,9 +90,7 @@ async def main(ctx: ServiceContext) -> None:
     async def close() -> None:
         await runner.cleanup()
         await metrics_sub.unsubscribe()
-        await kv_index.close()
-        await series_redis.aclose()
-        await limits_redis.aclose()
+        await redis.aclose()
         store.close()
 
     ctx.on_shutdown(close)

@@ -16,6 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fleet_bus import error_text
 from fleet_metrics.api import nodes_view
 from fleet_metrics.registry import CONTENT_TYPE, FleetMetrics
 from fleet_proto import NodeMetrics, ServiceKind
@@ -143,7 +144,7 @@ async def main(ctx: ServiceContext) -> None:
         try:
             points = await series.read(client, node_id, metric, window_s)
         except (RedisError, OSError) as exc:  # the series live in Redis: say it is down
-            reason = f"the metrics store (Redis) is unavailable: {exc or 'no answer'}"
+            reason = f"the metrics store (Redis) is unavailable: {error_text(exc)}"
             return web.json_response({"error": reason}, status=503)
         return web.json_response([[ts, value] for ts, value in points])
 

@@ -28,7 +28,7 @@ import nats.errors
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from fleet_bus import Bus
+from fleet_bus import Bus, error_text
 from fleet_bus.cancel import raise_if_cancelling
 from fleet_bus.streams import LEADER_TTL_S
 from fleet_proto.subjects import LEADER_BUCKET
@@ -42,11 +42,6 @@ MARGIN_S = 0.5
 
 # What a KV operation may fail with when NATS is unreachable, slow or refuses us (besides CAS failures).
 _NATS_TROUBLE = (TimeoutError, OSError, nats.errors.Error)
-
-
-def _why(exc: BaseException) -> str:
-    """An exception for a log line: its message, or its type when it has none (nats timeouts)."""
-    return str(exc) or type(exc).__name__
 
 
 class LeaseValue(msgspec.Struct, kw_only=True):
@@ -199,7 +194,7 @@ class LeaderLease:
                 async with asyncio.timeout(self._bus.timeout_s):
                     await self._kv.delete(self.key, last=revision)
             except (*_NATS_TROUBLE, KeyWrongLastSequenceError) as exc:  # wrong last seq: not ours anymore
-                log.warning("could not release the leader lease (it will expire): %s", _why(exc))
+                log.warning("could not release the leader lease (it will expire): %s", error_text(exc))
             else:
                 log.info("%s released the leader lease", self.holder_id)
 
@@ -214,7 +209,7 @@ class LeaderLease:
             except (*_NATS_TROUBLE, BucketNotFoundError) as exc:
                 raise_if_cancelling()
                 if not warned:
-                    log.warning("leader bucket %s not available yet: %s", LEADER_BUCKET, _why(exc))
+                    log.warning("leader bucket %s not available yet: %s", LEADER_BUCKET, error_text(exc))
                     warned = True
                 await self._sleep(self.retry_every_s)
                 continue
@@ -251,7 +246,7 @@ class LeaderLease:
             except _NATS_TROUBLE as exc:
                 raise_if_cancelling()
                 if not warned:
-                    log.warning("cannot reach the leader lease: %s", _why(exc))
+                    log.warning("cannot reach the leader lease: %s", error_text(exc))
                     warned = True
             if revision is not None and time.monotonic() < sent + self.ttl_s - self.margin_s:
                 self._value = payload
@@ -306,7 +301,7 @@ class LeaderLease:
                 return
             except _NATS_TROUBLE as exc:
                 raise_if_cancelling()
-                log.warning("renewing the leader lease failed, retrying: %s", _why(exc))
+                log.warning("renewing the leader lease failed, retrying: %s", error_text(exc))
                 wait = min(self.retry_every_s, self.renew_every_s)
                 continue
             self._revision = revision
