@@ -76,8 +76,11 @@ $(BENCH_STAMP): requirements-bench.txt | $(STAMP)
 	$(BIN)/pip install -q -r requirements-bench.txt
 	touch $@
 
+# The images, named as docker-compose.yml tags them (${FLEET_REGISTRY:-fleet}/<name>:${FLEET_TAG:-latest});
+# the vLLM workers' sit in profiles: `make docker DOCKER_PROFILES="gpu vllm-cpu"` builds them too.
+DOCKER_PROFILES ?=
 docker:
-	docker compose build
+	docker compose $(addprefix --profile ,$(DOCKER_PROFILES)) build
 
 clean:
 	rm -rf $(VENV) .fleet

@@ -1,7 +1,10 @@
 """`fleet`: run the embedded stack on this machine.
 
-fleet up [--state-dir .fleet] [--port 8000] [--detach] [--no-auth]
+fleet up [--state-dir .fleet] [--port 8000] [--detach] [--no-auth] [--infra-only]
 fleet status [--state-dir .fleet] [--json]
+fleet env [--state-dir .fleet]                  (the settings a service needs to join the stack)
+fleet gateway|scheduler|downloader|metrics-collector|worker [--env-file FILE] [--nats URL] [--port N]
+                                                 (one service in the foreground, as compose runs it)
 fleet down [--state-dir .fleet]
 fleet key [--admin] [--state-dir .fleet]        (print the gateway's API key, or its admin key)
 fleet pull MODEL --source SRC [--gateway URL]   (stage a model, with a progress bar)
@@ -24,6 +27,15 @@ from fleet_local import stack
 from fleet_local.bootstrap import DEFAULT_MODEL, DEFAULT_SOURCE, BootstrapError, stage_and_serve
 from fleet_local.processes import StartupError, http_ok, pid_alive
 from fleet_local.pull import pull
+from fleet_local.services import (
+    SERVICE_MODULES,
+    EnvFileError,
+    dotenv,
+    exec_service,
+    read_env_files,
+    service_env,
+)
+from fleet_runtime.settings import SettingsError
 
 
 def fleet_command() -> str:
@@ -35,7 +47,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     began = time.monotonic()
     try:
-        manifest = stack.up(state_dir, gateway_port=args.port, timeout_s=args.timeout, auth=not args.no_auth)
+        manifest = stack.up(
+            state_dir,
+            gateway_port=args.port,
+            timeout_s=args.timeout,
+            auth=not args.no_auth,
+            services=not args.infra_only,
+        )
     except StartupError as exc:
         print(f"fleet up failed: {exc}", file=sys.stderr)
         return 1
@@ -43,6 +61,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     rss_mb = stack.resident_bytes(manifest) / 2**20
     print(f"Fleet is up in {elapsed:.1f} s ({rss_mb:.0f} MiB resident), state in {manifest.state_dir}")
     fleet = fleet_command()
+    if args.infra_only:
+        return _infra_only_up(state_dir, manifest, args.detach)
     auth = f' -H "Authorization: Bearer $({fleet} key)"' if manifest.api_key else ""
     if args.model:
         print(f"Serving {args.model} (first run converts and stages it: about a minute)")
@@ -84,6 +104,22 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return _watch(state_dir, manifest)
 
 
+def _infra_only_up(state_dir: Path, manifest: stack.StackManifest, detach: bool) -> int:
+    fleet = fleet_command()
+    print("  servers only (--infra-only): run the services on their own, e.g.")
+    print(f"    {fleet} env --state-dir {manifest.state_dir} > fleet.env   (it holds passwords)")
+    print(f"    {fleet} scheduler --env-file fleet.env")
+    print(f"    {fleet} worker --env-file fleet.env --node-id worker-1")
+    print(f"    {fleet} gateway --env-file fleet.env --port 8000")
+    print(f"  nats     {redacted(manifest.nats_url)}")
+    print(f"  logs     {manifest.state_dir}/logs/")
+    if detach:
+        print("Stop it with: fleet down")
+        return 0
+    print("Press Ctrl-C to stop.")
+    return _watch(state_dir, manifest)
+
+
 def _watch(state_dir: Path, manifest: stack.StackManifest) -> int:
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,7 +153,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for p in manifest.processes:
         alive = pid_alive(p.pid, p.started_at)
         healthy = alive and (not p.health_url or http_ok(p.health_url))
-        rows.append({"name": p.name, "pid": p.pid, "alive": alive, "healthy": healthy, "url": p.url})
+        rows.append(
+            {"name": p.name, "pid": p.pid, "alive": alive, "healthy": healthy, "url": redacted(p.url)}
+        )
     if args.json:
         print(json.dumps({"state_dir": manifest.state_dir, "processes": rows}, indent=2))
     else:
@@ -138,6 +176,36 @@ def _cmd_key(args: argparse.Namespace) -> int:
         return 1
     print(key)
     return 0
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    manifest = stack.read_manifest(Path(args.state_dir).resolve())
+    if manifest is None or not stack.running(manifest):
+        print(
+            "no stack is running here: start one with `fleet up` (or `fleet up --infra-only`)",
+            file=sys.stderr,
+        )
+        return 1
+    print("# Fleet stack settings, with its passwords: keep this file private")
+    print(dotenv(stack.joining_env(manifest)), end="")
+    return 0
+
+
+def _cmd_service(args: argparse.Namespace) -> int:
+    try:
+        env = service_env(
+            args.command,
+            os.environ,
+            read_env_files(args.env_file),
+            nats_url=args.nats,
+            node_id=getattr(args, "node_id", ""),
+            port=args.port,
+        )
+        exec_service(args.command, env)
+    except (EnvFileError, SettingsError) as exc:
+        print(f"fleet {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 1  # not reached: exec_service replaces this process
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -184,7 +252,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet", description="Run Fleet's embedded stack on this machine.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("up", "down", "status", "key", "pull"):
+    for name in ("up", "down", "status", "key", "env", "pull"):
         p = sub.add_parser(name)
         p.add_argument("--state-dir", default=".fleet", help="data, logs and stack.json (default .fleet)")
     up_parser = sub.choices["up"]
@@ -205,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     up_parser.add_argument(
         "--model-source", default=DEFAULT_SOURCE, help=f"where it comes from (default {DEFAULT_SOURCE})"
     )
+    up_parser.add_argument(
+        "--infra-only",
+        action="store_true",
+        help="start only NATS, S3 and Redis; run the services with `fleet worker` etc. (see `fleet env`)",
+    )
     sub.choices["status"].add_argument("--json", action="store_true")
     sub.choices["key"].add_argument("--admin", action="store_true", help="the admin key instead")
     pull_parser = sub.choices["pull"]
@@ -215,6 +288,27 @@ def main(argv: list[str] | None = None) -> int:
     pull_parser.add_argument(
         "--gateway", default="", help="gateway URL (default: the stack in --state-dir; key: $FLEET_ADMIN_KEY)"
     )
+    for service in SERVICE_MODULES:
+        p = sub.add_parser(service, help=f"run the {service} in the foreground (settings: FLEET_* variables)")
+        p.add_argument(
+            "--env-file",
+            action="append",
+            default=[],
+            help="NAME=VALUE settings (`fleet env`, compose's join-env); the environment overrides them",
+        )
+        p.add_argument(
+            "--nats", default="", help="NATS URL (FLEET_NATS_URL), e.g. nats://user:pass@host:4222"
+        )
+        p.add_argument(
+            "--port",
+            type=int,
+            default=None,
+            help="the gateway's or collector's serving port, else the /health port (0: none)",
+        )
+        if service == "worker":
+            p.add_argument(
+                "--node-id", default="", help="this node's id (FLEET_NODE_ID; default: the hostname)"
+            )
     bench_parser = sub.add_parser("bench", help="run a benchmark of this checkout (bench/NAME.py)")
     bench_parser.add_argument("name", help="e.g. serve, compare, control-plane, kv, disagg, suite")
     bench_parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
@@ -224,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         "down": _cmd_down,
         "status": _cmd_status,
         "key": _cmd_key,
+        "env": _cmd_env,
         "pull": _cmd_pull,
         "bench": _cmd_bench,
     }
-    return handlers[args.command](args)
+    return handlers.get(args.command, _cmd_service)(args)
 
 
 if __name__ == "__main__":

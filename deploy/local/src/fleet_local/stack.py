@@ -92,6 +92,13 @@ def connection_env(
     }
 
 
+def joining_env(manifest: StackManifest) -> dict[str, str]:
+    """What a service run on its own needs to join the stack: the servers with their credentials,
+    and the gateway's keys when the stack has them (so a gateway started that way is keyed too)."""
+    keys = {"FLEET_API_KEYS": manifest.api_key, "FLEET_ADMIN_KEYS": manifest.admin_key}
+    return manifest.env | {name: key for name, key in keys.items() if key}
+
+
 def connection_settings(manifest: StackManifest) -> Settings:
     """Settings that reach `manifest`'s servers with their credentials (ObjectStore.from_settings...)."""
     return load_settings(manifest.env)
@@ -126,16 +133,21 @@ def _service_settings(
 
 
 def up(
-    state_dir: Path, gateway_port: int = 8000, timeout_s: float = 120.0, auth: bool = True
+    state_dir: Path,
+    gateway_port: int = 8000,
+    timeout_s: float = 120.0,
+    auth: bool = True,
+    services: bool = True,
 ) -> StackManifest:
     """Start everything and return once every service answers /health; on failure, stop what started.
-    Every server runs with the generated credentials; `auth=False` leaves the gateway's APIs open."""
+    Every server runs with the generated credentials; `auth=False` leaves the gateway's APIs open.
+    `services=False` starts only the servers, for services run on their own (`fleet worker ...`)."""
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     existing = read_manifest(state_dir)
     if existing is not None and running(existing):
         raise StartupError(f"a stack is already running from {state_dir} (run `fleet down` first)")
-    if not _port_free(gateway_port):
+    if services and not _port_free(gateway_port):
         raise StartupError(f"port {gateway_port} is in use: stop what listens there or pass --port")
     creds = secrets.load_or_create(state_dir)
     manifest = StackManifest(state_dir=str(state_dir))
@@ -150,10 +162,13 @@ def up(
             write_manifest(manifest)
         nats, s3, redis = manifest.processes
         manifest.env = connection_env(nats, s3, redis, creds)
-        settings = _service_settings(state_dir, manifest.env, gateway_port, creds if auth else None)
         manifest.nats_url = nats_url_with_credentials(nats.url, creds)
         if auth:
             manifest.api_key, manifest.admin_key = creds.api_key, creds.admin_key
+        write_manifest(manifest)
+        if not services:
+            return manifest
+        settings = _service_settings(state_dir, manifest.env, gateway_port, creds if auth else None)
         manifest.gateway_url = f"http://127.0.0.1:{gateway_port}"
         manifest.metrics_url = f"http://127.0.0.1:{settings.metrics_port}/metrics"
         base_env = {**os.environ, **settings_env(settings)}
