@@ -498,3 +498,10 @@ def test_the_nats_helm_values_use_keys_of_the_official_chart() -> None:
     assert len(cluster["merge"]["routes"]) == cluster["replicas"]
     for route in cluster["merge"]["routes"]:
         assert values["container"]["env"][re.fullmatch(r"<< \$(\w+) >>", route)[1]]
+
+
+def test_every_fleet_image_is_one_docker_compose_builds() -> None:
+    """The manifests pull what `docker compose build && docker compose push` tags."""
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    built = {s["image"].split("/", 1)[1].split(":")[0] for s in services.values() if "build" in s}
+    assert {image.removeprefix("fleet/") for image in FLEET_IMAGES} <= built
