@@ -21,10 +21,21 @@ from fleet_bus import Bus
 from fleet_local import stack
 from fleet_local.processes import free_port, pid_alive
 from fleet_proto import TokenChunk
+from fleet_runtime.settings import PREFIX, Settings
 
 REPO = Path(__file__).resolve().parents[1]
+FLEET = [sys.executable, "-m", "fleet_local"]  # the `fleet` CLI of this checkout
 MODEL = "tiny/llama-chat"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# Every FLEET_* variable Fleet reads (a deployment file naming any other has a typo).
+SETTING_NAMES = frozenset(PREFIX + field.name.upper() for field in msgspec.structs.fields(Settings))
+
+
+def fleet(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`fleet ARGS...`, its output captured."""
+    return subprocess.run([*FLEET, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def load_module(path: Path) -> ModuleType:

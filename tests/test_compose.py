@@ -17,13 +17,13 @@ import subprocess
 from pathlib import Path
 
 import jsonschema
-import msgspec
 import pytest
 import yaml
 from check_jsonschema.builtin_schemas import get_builtin_schema
 
 from fleet_local.services import parse_env_file
-from fleet_runtime.settings import PREFIX, Settings, load_settings
+from fleet_runtime.settings import PREFIX, load_settings
+from tests.support import SETTING_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -348,8 +348,7 @@ def join_env(config: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[di
 
 def test_join_env_prints_only_settings_fleet_knows(join_env: tuple[dict[str, str], dict[str, str]]) -> None:
     printed, _ = join_env
-    fields = {PREFIX + field.name.upper() for field in msgspec.structs.fields(Settings)}
-    assert set(printed) <= fields, set(printed) - fields
+    assert set(printed) <= SETTING_NAMES, set(printed) - SETTING_NAMES
 
 
 def test_join_env_prints_every_connection_setting_a_worker_needs(

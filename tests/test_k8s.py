@@ -15,12 +15,12 @@ import re
 from pathlib import Path
 
 import kubernetes_validate
-import msgspec
 import pytest
 import yaml
 
 from fleet_metrics.registry import node_families
-from fleet_runtime.settings import PREFIX, Settings
+from fleet_runtime.settings import PREFIX
+from tests.support import SETTING_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "deploy" / "k8s"
@@ -277,7 +277,6 @@ def test_every_fleet_container_writes_only_to_empty_dirs(workload: dict, contain
 
 
 def test_every_fleet_setting_in_the_manifests_exists() -> None:
-    settings = {PREFIX + field.name.upper() for field in msgspec.structs.fields(Settings)}
     used = set(named("ConfigMap", "fleet-config")["data"])
     used |= {
         name
@@ -286,7 +285,7 @@ def test_every_fleet_setting_in_the_manifests_exists() -> None:
         for name in env_values(container)
     }
     unknown = {
-        name for name in used if name.startswith(PREFIX) and name.removesuffix("_FILE") not in settings
+        name for name in used if name.startswith(PREFIX) and name.removesuffix("_FILE") not in SETTING_NAMES
     }
     assert not unknown, f"not fleet_runtime settings: {sorted(unknown)}"
 

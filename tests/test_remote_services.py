@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +26,7 @@ from fleet_bus import Bus
 from fleet_local import stack
 from fleet_local.processes import free_port, pid_alive, process_started_at, spawn, stop_pid, wait_http
 from fleet_scheduler.leader import read_lease
-from tests.support import MESSAGES, MODEL, make_chat_model, until_state
+from tests.support import FLEET, MESSAGES, MODEL, fleet, make_chat_model, until_state
 
 GiB = 2**30
 WORKER_MEMORY = str(4 * GiB)  # reported by every worker: room for all three instances on any one
@@ -56,7 +54,7 @@ class Cluster(msgspec.Struct):
         log_path = self.root / "logs" / f"{name}.log"
         env = os.environ | {"FLEET_STATE_DIR": str(self.root / name), "FLEET_LOG_FORMAT": "text"}
         env |= {f"FLEET_{key.upper()}": value for key, value in settings.items()}
-        argv = [sys.executable, "-m", "fleet_local", command, "--env-file", str(self.env_file)]
+        argv = [*FLEET, command, "--env-file", str(self.env_file)]
         proc = spawn([*argv, "--port", str(port), *flags], log_path, env=env)
         service = Service(
             name, proc.pid, process_started_at(proc.pid), log_path, f"http://127.0.0.1:{port}/health"
@@ -67,11 +65,6 @@ class Cluster(msgspec.Struct):
 
     def start_worker(self, node_id: str) -> Service:
         return self.start("worker", node_id, "--node-id", node_id, node_memory_bytes=WORKER_MEMORY)
-
-
-def fleet(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "fleet_local", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")

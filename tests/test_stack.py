@@ -20,13 +20,9 @@ from fleet_local import stack
 from fleet_local.processes import free_port, pid_alive
 from fleet_local.servers import leftover_weed_sockets
 from fleet_proto import NodeLeft
+from tests.support import fleet
 
-FLEET = [sys.executable, "-m", "fleet_local"]
 SERVICE_NAMES = {name for name, _ in stack.SERVICES}
-
-
-def fleet(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FLEET, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -60,9 +60,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - began
     rss_mb = stack.resident_bytes(manifest) / 2**20
     print(f"Fleet is up in {elapsed:.1f} s ({rss_mb:.0f} MiB resident), state in {manifest.state_dir}")
-    fleet = fleet_command()
     if args.infra_only:
         return _infra_only_up(state_dir, manifest, args.detach)
+    fleet = fleet_command()
     auth = f' -H "Authorization: Bearer $({fleet} key)"' if manifest.api_key else ""
     if args.model:
         print(f"Serving {args.model} (first run converts and stages it: about a minute)")
