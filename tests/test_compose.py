@@ -246,9 +246,12 @@ def test_the_vllm_cpu_worker_is_opt_in_with_its_thread_count(config: dict) -> No
 
 
 @pytest.mark.parametrize("worker", WORKERS)
-def test_workers_serve_kv_handoffs_on_the_compose_network(config: dict, worker: str) -> None:
+def test_workers_serve_kv_handoffs_and_pipeline_rings_on_the_compose_network(
+    config: dict, worker: str
+) -> None:
     env = config["services"][worker]["environment"]
     assert env["FLEET_HANDOFF_HOST"] == "0.0.0.0" and env["FLEET_HANDOFF_PORT"] == "8900"
+    assert env["FLEET_RING_HOST"] == "auto"  # the container's address: what the other containers reach
     assert env["FLEET_NATS_URL"] == "nats://nats:4222"  # the shared settings still apply
 
 

@@ -335,13 +335,15 @@ def test_the_gpu_worker_requests_a_gpu_and_tolerates_gpu_nodes() -> None:
 
 
 @pytest.mark.parametrize("name", ["engine-worker-mlx-cpu", "engine-worker-vllm-cuda"])
-def test_workers_advertise_their_pod_ip_for_handoffs(name: str) -> None:
+def test_workers_advertise_their_pod_ip_for_handoffs_and_pipeline_rings(name: str) -> None:
     spec = pod_spec(named("Deployment", name))
     (container,) = spec["containers"]
     names = [var["name"] for var in container["env"]]
     env = env_values(container)
     # $(POD_IP) expands only when POD_IP comes first.
     assert names.index("POD_IP") < names.index("FLEET_HANDOFF_ADVERTISE")
+    assert names.index("POD_IP") < names.index("FLEET_RING_HOST")
+    assert env["FLEET_RING_HOST"] == "$(POD_IP)"
     (pod_ip,) = [var for var in container["env"] if var["name"] == "POD_IP"]
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     port = int(env["FLEET_HANDOFF_PORT"])

@@ -73,6 +73,30 @@ def test_instance_lifecycle():
     assert apply(failed, InstanceDeleted(instance_id="i1"), 5).instances == {}
 
 
+def test_a_failure_about_another_generation_changes_nothing():
+    second = apply(State(), InstancePlaced(instance=msgspec.structs.replace(INSTANCE, generation=1)), 1)
+    stale = apply(second, InstanceFailed(instance_id="i1", reason="rank 1 died", generation=0), 2)
+    assert stale.instances == second.instances
+    current = apply(second, InstanceFailed(instance_id="i1", reason="rank 1 died", generation=1), 3)
+    whichever = apply(second, InstanceFailed(instance_id="i1", reason="rank 1 died"), 3)  # generation -1
+    assert current.instances == whichever.instances
+    assert (current.instances["i1"].status, current.instances["i1"].reason) == ("failed", "rank 1 died")
+
+
+def test_a_failed_instance_keeps_its_first_reason_unless_a_later_one_extends_it():
+    state = apply(State(), InstancePlaced(instance=INSTANCE), 1)
+    state = apply(state, InstanceFailed(instance_id="i1", reason="rank 0: out of memory"), 2)
+    state = apply(state, InstanceFailed(instance_id="i1", reason="rank 1: ring connection lost"), 3)
+    assert state.instances["i1"].reason == "rank 0: out of memory"
+    extended = "rank 0: out of memory; not re-placed: no node fits"
+    state = apply(state, InstanceFailed(instance_id="i1", reason=extended), 4)
+    assert (state.instances["i1"].status, state.instances["i1"].reason) == ("failed", extended)
+    # once it runs again, a new failure names its own cause
+    state = apply(state, InstanceLoading(instance_id="i1", progress=0.0), 5)
+    state = apply(state, InstanceFailed(instance_id="i1", reason="load failed"), 6)
+    assert state.instances["i1"].reason == "load failed"
+
+
 def test_update_for_unknown_instance_changes_nothing_but_the_seq():
     state = apply(State(), InstanceReady(instance_id="gone"), 1)
     assert state == State(last_seq=1)
@@ -125,7 +149,12 @@ node_infos = st.builds(
     disk_free_bytes=st.integers(0, 2**40),
 )
 instances = st.builds(
-    Instance, instance_id=ids, model_id=st.sampled_from(["m1", "m2"]), node_id=ids, engine=st.just("mlx")
+    Instance,
+    instance_id=ids,
+    model_id=st.sampled_from(["m1", "m2"]),
+    node_id=ids,
+    engine=st.just("mlx"),
+    generation=st.integers(0, 2),
 )
 events = st.one_of(
     st.builds(
@@ -146,7 +175,7 @@ events = st.one_of(
     st.builds(InstancePlaced, instance=instances),
     st.builds(InstanceLoading, instance_id=ids, progress=st.floats(0, 1)),
     st.builds(InstanceReady, instance_id=ids),
-    st.builds(InstanceFailed, instance_id=ids, reason=st.text(max_size=5)),
+    st.builds(InstanceFailed, instance_id=ids, reason=st.text(max_size=5), generation=st.integers(-1, 2)),
     st.builds(InstanceDeleted, instance_id=ids),
     st.builds(
         DownloadProgressed, model_id=ids, phase=st.sampled_from(DownloadPhase), done_bytes=st.integers(0, 9)

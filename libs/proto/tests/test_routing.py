@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import msgspec
 
-from fleet_proto import Instance, InstancePlaced, InstanceReady, ModelCard, ModelStaged, RouteRequest, replay
+from fleet_proto import (
+    Instance,
+    InstancePlaced,
+    InstanceReady,
+    ModelCard,
+    ModelStaged,
+    RouteRequest,
+    Shard,
+    replay,
+)
 from fleet_proto.routing import route
 
 
@@ -113,6 +122,35 @@ def test_any_pair_of_engines_disaggregates():
 def test_an_engine_that_cannot_take_kv_in_decodes_alone():
     state = state_of(*ready("x", role="decode", engine="llamacpp"), *ready("p", role="prefill"))
     assert route(state, LONG, {}).prefill_instance_id == ""
+
+
+def pipelined(instance_id: str, engine: str = "mlx", role: str = "both"):
+    shards = (
+        Shard(node_id=f"{instance_id}-0", start_layer=0, end_layer=1, ring_address="h0:52400"),
+        Shard(node_id=f"{instance_id}-1", start_layer=1, end_layer=2, ring_address="h1:52400"),
+    )
+    instance = Instance(
+        instance_id=instance_id,
+        model_id="m",
+        node_id=shards[0].node_id,
+        engine=engine,
+        role=role,
+        shards=shards,
+    )
+    return (InstancePlaced(instance=instance), InstanceReady(instance_id=instance_id))
+
+
+def test_pipeline_instances_take_no_part_in_disaggregation():
+    # its KV lives split across its ranks: neither prefilled for nor prefilling for another
+    decoder = state_of(*pipelined("pd", role="decode"), *ready("p", role="prefill", engine="vllm"))
+    reply = route(decoder, LONG, {})
+    assert (reply.instance_id, reply.prefill_instance_id) == ("pd", "")
+    prefiller = state_of(*ready("d", role="decode"), *pipelined("pp", role="prefill", engine="mlx"))
+    reply = route(prefiller, LONG, {})
+    assert (reply.instance_id, reply.prefill_instance_id) == ("d", "")
+    both = state_of(*ready("d", role="decode"), *pipelined("pb"))
+    reply = route(both, LONG, {"pb": 5000})
+    assert (reply.instance_id, reply.prefill_instance_id) == ("d", "")
 
 
 def test_only_a_prefill_instance_is_no_route():

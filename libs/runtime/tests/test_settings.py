@@ -17,6 +17,12 @@ def test_fleet_variables_are_parsed_by_type():
     assert (settings.gateway_port, settings.s3_secure, settings.nats_url) == (9000, True, "nats://x:1")
 
 
+def test_pipeline_ring_settings():
+    assert (Settings().ring_host, Settings().ring_port_base) == ("127.0.0.1", 52400)
+    settings = load_settings({"FLEET_RING_HOST": "auto", "FLEET_RING_PORT_BASE": "0"})
+    assert (settings.ring_host, settings.ring_port_base) == ("auto", 0)
+
+
 def test_a_bad_value_names_the_variable():
     with pytest.raises(SettingsError, match="FLEET_GATEWAY_PORT='http'"):
         load_settings({"FLEET_GATEWAY_PORT": "http"})

@@ -89,3 +89,19 @@ def test_node_metrics_takes_an_optional_gpu_reader(tmp_path: Path):
     metrics = node_metrics("n", tmp_path, reader=Reader())
     assert metrics.memory_used_bytes > 0
     assert gpu_metrics_fields(Reader().sample()) == {"gpus": (GpuSample(index=0, utilization_ratio=0.5),)}
+
+
+def test_the_ring_host_is_resolved_before_it_is_announced(tmp_path: Path):
+    from fleet_worker.probe import Interface, resolved_ring_host
+
+    interfaces = [
+        Interface("lo", "127.0.0.1", 0, loopback=True),
+        Interface("wlan0", "192.168.1.20", 300),
+        Interface("eth0", "192.168.1.10", 10000),
+    ]
+    assert resolved_ring_host("auto", interfaces) == "192.168.1.10"  # the fastest link
+    assert resolved_ring_host("auto", interfaces[:1]) == "127.0.0.1"  # loopback when alone
+    assert resolved_ring_host("auto", []) == "127.0.0.1"
+    assert resolved_ring_host("10.0.0.7", interfaces) == "10.0.0.7"
+    info = node_info("n", tmp_path, ring_host="192.168.1.10", ring_port_base=52400)
+    assert (info.ring_host, info.ring_port_base) == ("192.168.1.10", 52400)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from fleet_proto import (
@@ -11,9 +12,10 @@ from fleet_proto import (
     NodeInfo,
     NodeJoined,
     NodeLeft,
+    Shard,
     replay,
 )
-from fleet_scheduler.liveness import failover_events, timed_out_nodes
+from fleet_scheduler.liveness import failover_events, runs_on, timed_out_nodes
 
 
 def node(node_id: str) -> NodeJoined:
@@ -91,3 +93,16 @@ def test_a_draining_instance_on_a_dead_node_is_simply_deleted():
     )
     events = failover_events(draining, "b", "gone", lambda s, i: i)
     assert events == [NodeLeft(node_id="b", reason="gone"), InstanceDeleted(instance_id="i3")]
+
+
+def test_a_pipeline_fails_over_when_any_node_holding_a_shard_is_lost():
+    shards = (Shard(node_id="a", start_layer=0, end_layer=1), Shard(node_id="b", start_layer=1, end_layer=2))
+    pipeline = Instance(
+        instance_id="p1", model_id="m", node_id="a", engine="mlx", shards=shards, generation=2
+    )
+    state = replay([(STATE.last_seq + 1, InstancePlaced(instance=pipeline))], STATE)
+    moved = msgspec.structs.replace(pipeline, generation=3)
+    events = failover_events(state, "b", "gone", lambda s, i: moved if i.instance_id == "p1" else i)
+    assert InstanceFailed(instance_id="p1", reason="node b: gone", generation=2) in events
+    assert InstancePlaced(instance=moved) in events
+    assert runs_on(pipeline, "b") and runs_on(pipeline, "a") and not runs_on(pipeline, "c")

@@ -22,13 +22,16 @@ from fleet_proto import (
 )
 from fleet_scheduler.placement import (
     ENGINE_CAPS,
+    RING_PORT_SPAN,
     EngineCaps,
     PlacementError,
     free_bytes,
     memory_needed,
     option_label,
     place,
+    placed_again,
     placement_options,
+    ring_addresses,
     split_layers,
 )
 
@@ -37,6 +40,8 @@ PIPELINE_CAPS = {
     "mlx": EngineCaps(pipeline=True, memory_headroom=1.3),
     "vllm": EngineCaps(pipeline=True, memory_headroom=1.3),
 }
+NO_PIPELINE_CAPS = {"mlx": EngineCaps(pipeline=False), "vllm": EngineCaps(pipeline=False)}
+RING_PORT_BASE = 52400
 
 
 def node(
@@ -45,8 +50,11 @@ def node(
     engines: tuple[str, ...] = ("mlx",),
     kind: NodeKind = NodeKind.CPU,
     cached: tuple[str, ...] = (),
+    ring_host: str | None = None,
+    ring_port_base: int = RING_PORT_BASE,
 ) -> NodeInfo:
-    """A node with `free` GiB (a float) or bytes (an int) of available memory."""
+    """A node with `free` GiB (a float) or bytes (an int) of available memory; its ring host is its id
+    unless given."""
     return NodeInfo(
         node_id=node_id,
         hostname=node_id,
@@ -60,6 +68,8 @@ def node(
         engines=tuple(EngineInfo(name=e, version="1") for e in engines),
         kind=kind,
         cached_models=cached,
+        ring_host=node_id if ring_host is None else ring_host,
+        ring_port_base=ring_port_base,
     )
 
 
@@ -93,6 +103,14 @@ def cluster(
         models={c.model_id: c for c in cards},
         instances={i.instance_id: i for i in instances},
     )
+
+
+def shards_of(*ranges: tuple[str, int, int]) -> tuple[Shard, ...]:
+    return tuple(Shard(node_id=n, start_layer=s, end_layer=e) for n, s, e in ranges)
+
+
+def with_rings(shards: tuple[Shard, ...], *addresses: str) -> tuple[Shard, ...]:
+    return tuple(msgspec.structs.replace(s, ring_address=a) for s, a in zip(shards, addresses, strict=True))
 
 
 MLX_4BIT = card("mlx-community/Llama-3.2-1B-Instruct-4bit", quantization="4bit")
@@ -279,7 +297,7 @@ def test_mlx_community_models_prefer_apple_then_cpu_then_cuda():
     ranked = [
         option_label(o) for o in placement_options(cluster(apple, cpu, cuda, cards=(model,)), model.model_id)
     ]
-    assert ranked == ["apple", "cpu", "cuda"]
+    assert ranked[:3] == ["apple", "cpu", "cuda"]  # then the pipelines: more nodes come after
     assert place(cluster(cpu, cuda, cards=(model,)), model.model_id, "i1").node_id == "cpu"
 
 
@@ -299,7 +317,7 @@ def test_node_that_already_holds_the_files_is_preferred():
 
 def test_otherwise_the_most_memory_left_wins():
     state = cluster(node("a", 8.0), node("b", 64.0), node("c", 16.0), cards=(card(engines=("mlx",)),))
-    assert [option_label(o) for o in placement_options(state, "org/m")] == ["b", "c", "a"]
+    assert [option_label(o) for o in placement_options(state, "org/m")][:3] == ["b", "c", "a"]
 
 
 def test_engine_preference_is_by_memory_left_across_engines():
@@ -310,14 +328,16 @@ def test_engine_preference_is_by_memory_left_across_engines():
 # --- pipeline ----------------------------------------------------------------------------------
 
 
-def test_default_caps_offer_no_multi_node_option():
-    state = cluster(node("a", 1.0), node("b", 1.0), node("c", 1.0), cards=(card(storage=2.0),))
-    options = placement_options(state, "org/m")
-    assert all(len(o.shards) <= 1 for o in options)
-    splits = [o for o in options if not o.shards]
-    assert [(o.engine, o.reason) for o in splits] == [("mlx", "engine mlx cannot split a model across nodes")]
-    assert not ENGINE_CAPS["mlx"].pipeline and not ENGINE_CAPS["vllm"].pipeline
+def test_default_caps_split_mlx_models_across_nodes_but_not_vllm_ones():
+    assert ENGINE_CAPS["mlx"].pipeline and not ENGINE_CAPS["vllm"].pipeline
     assert ENGINE_CAPS["mlx"].memory_headroom == ENGINE_CAPS["vllm"].memory_headroom == 1.3
+    nodes = [node(n, 1.0, engines=("mlx", "vllm")) for n in "abc"]
+    options = placement_options(cluster(*nodes, cards=(card(storage=2.0),)), "org/m")
+    assert [(o.engine, option_label(o)) for o in options if o.feasible] == [("mlx", "a+b+c")]
+    splits = [o for o in options if not o.shards]
+    assert [(o.engine, o.reason) for o in splits] == [
+        ("vllm", "engine vllm cannot split a model across nodes")
+    ]
 
 
 def test_no_split_notice_when_a_single_node_fits():
@@ -336,7 +356,7 @@ def test_pipeline_splits_layers_in_proportion_to_free_memory():
     )
     assert best.memory_needed == {"a": int(7.8 * GiB) + 1, "b": int(23.4 * GiB) + 1}
     instance = place(state, "org/m", "i1", caps=PIPELINE_CAPS)
-    assert (instance.node_id, instance.shards) == ("a", best.shards)
+    assert (instance.node_id, instance.shards) == ("a", with_rings(best.shards, "a:52400", "b:52400"))
 
 
 def test_pipeline_prefers_a_single_node_when_one_fits():
@@ -376,18 +396,103 @@ def test_pipeline_skips_nodes_the_rules_exclude():
     assert [s.node_id for s in best.shards] == ["a", "b"]
 
 
+# --- pipeline rings ----------------------------------------------------------------------------
+
+BIG = card("org/big", storage=10.0, layers=30, engines=("mlx",))  # needs 13 GiB: 6.5 GiB per half
+
+
+def test_a_model_no_node_fits_is_split_evenly_over_two_equal_nodes_with_a_ring_address_each():
+    state = cluster(node("a", 8.0), node("b", 8.0), cards=(BIG,))
+    instance = place(state, "org/big", "i1")
+    assert instance.shards == with_rings(
+        shards_of(("a", 0, 15), ("b", 15, 30)), f"a:{RING_PORT_BASE}", f"b:{RING_PORT_BASE}"
+    )
+    assert (instance.node_id, instance.generation) == ("a", 0)
+
+
+def test_a_single_node_that_fits_is_still_preferred_and_needs_no_ring():
+    state = cluster(node("a", 8.0), node("b", 8.0), node("c", 14.0), cards=(BIG,))
+    instance = place(state, "org/big", "i1")
+    assert instance.shards == (Shard(node_id="c", start_layer=0, end_layer=30),)
+    assert instance.shards[0].ring_address == ""
+
+
+def test_nodes_on_one_ring_host_get_different_ports():
+    state = cluster(node("a", 8.0, ring_host="10.0.0.5"), node("b", 8.0, ring_host="10.0.0.5"), cards=(BIG,))
+    shards = place(state, "org/big", "i1").shards
+    assert [s.ring_address for s in shards] == ["10.0.0.5:52400", "10.0.0.5:52401"]
+
+
+def test_a_node_without_a_ring_host_listens_on_loopback():
+    state = cluster(node("a", 8.0, ring_host=""), node("b", 8.0, ring_host=""), cards=(BIG,))
+    assert [s.ring_address for s in place(state, "org/big", "i1").shards] == [
+        "127.0.0.1:52400",
+        "127.0.0.1:52401",
+    ]
+
+
+def test_ports_that_other_instances_ranks_hold_on_the_host_are_skipped():
+    held = Instance(
+        instance_id="i0",
+        model_id="org/other",
+        node_id="a",
+        engine="mlx",
+        status=InstanceStatus.FAILED,  # its processes may still be closing: its ports stay taken
+        shards=with_rings(shards_of(("a", 0, 1), ("b", 1, 2)), "h:52400", "h:52401"),
+    )
+    nodes = (node("a", 8.0, ring_host="h"), node("b", 8.0, ring_host="h"))
+    state = cluster(*nodes, cards=(BIG,), instances=(held,))
+    shards = ring_addresses(state, shards_of(("a", 0, 15), ("b", 15, 30)), avoid={"h:52402"})
+    assert [s.ring_address for s in shards] == ["h:52403", "h:52404"]
+
+
+def test_a_host_whose_ring_ports_are_all_taken_is_refused():
+    state = cluster(node("a", 8.0, ring_host="h"), node("b", 8.0), cards=(BIG,))
+    taken = {f"h:{RING_PORT_BASE + i}" for i in range(RING_PORT_SPAN)}
+    with pytest.raises(PlacementError, match=r"a: every ring port on h \(52400-52463\) is in use"):
+        place(state, "org/big", "i1", avoid_ring=taken)
+
+
+def test_placing_again_moves_to_new_ports_as_the_next_generation_keeping_the_role():
+    state = cluster(node("a", 8.0, ring_host="h"), node("b", 8.0, ring_host="h"), cards=(BIG,))
+    first = msgspec.structs.replace(place(state, "org/big", "i1"), role="decode", status=InstanceStatus.READY)
+    state = msgspec.structs.replace(state, instances={"i1": first})
+    again = placed_again(state, first)  # its own memory is free again: it fits the same nodes
+    assert (again.instance_id, again.role, again.generation, again.status) == ("i1", "decode", 1, "placed")
+    assert [s.node_id for s in again.shards] == ["a", "b"]
+    assert [s.ring_address for s in again.shards] == ["h:52402", "h:52403"]
+    assert placed_again(msgspec.structs.replace(state, instances={"i1": again}), again).generation == 2
+
+
+def test_nodes_without_ring_ports_take_no_part_in_pipelines():
+    state = cluster(node("a", 8.0), node("b", 8.0, ring_port_base=0), cards=(BIG, card()))
+    with pytest.raises(PlacementError) as refused:
+        place(state, "org/big", "i1")
+    assert "b: takes no part in pipelines (FLEET_RING_PORT_BASE=0)" in str(refused.value)
+    with pytest.raises(
+        PlacementError, match=r"as asked: b: takes no part in pipelines \(FLEET_RING_PORT_BASE=0\)"
+    ):
+        place(state, "org/big", "i1", shards=shards_of(("a", 0, 15), ("b", 15, 30)))
+    assert place(state, "org/m", "i2", shards=shards_of(("b", 0, 32))).node_id == "b"  # alone it may
+
+
+def test_an_explicit_pipeline_gets_ring_addresses_too():
+    state = cluster(node("a", 8.0), node("b", 8.0), cards=(BIG,))
+    asked = shards_of(("b", 0, 15), ("a", 15, 30))
+    instance = place(state, "org/big", "i1", shards=asked)
+    assert instance.shards == with_rings(asked, "b:52400", "a:52400")
+    assert place(state, "org/big", "i2", shards=with_rings(asked, "x:1", "y:2")).shards == instance.shards
+
+
 # --- explicit placements -----------------------------------------------------------------------
-
-
-def shards_of(*ranges: tuple[str, int, int]) -> tuple[Shard, ...]:
-    return tuple(Shard(node_id=n, start_layer=s, end_layer=e) for n, s, e in ranges)
 
 
 def test_explicit_placement_that_fits_is_taken_as_is():
     state = cluster(node("a", 64.0), node("b", 64.0), cards=(card(engines=("mlx",)),))
     asked = shards_of(("b", 0, 10), ("a", 10, 32))
     instance = place(state, "org/m", "i1", engine="mlx", caps=PIPELINE_CAPS, shards=asked)
-    assert (instance.node_id, instance.engine, instance.shards) == ("b", "mlx", asked)
+    assert (instance.node_id, instance.engine) == ("b", "mlx")
+    assert instance.shards == with_rings(asked, "b:52400", "a:52400")
     single = place(state, "org/m", "i1", shards=shards_of(("a", 0, 32)))
     assert single.node_id == "a"
 
@@ -397,7 +502,11 @@ def test_explicit_placement_that_fits_is_taken_as_is():
     [
         ((), PIPELINE_CAPS, "no shards given"),
         (shards_of(("z", 0, 32)), PIPELINE_CAPS, "node z is not in the cluster"),
-        (shards_of(("a", 0, 16), ("b", 16, 32)), ENGINE_CAPS, "engine mlx cannot split a model across nodes"),
+        (
+            shards_of(("a", 0, 16), ("b", 16, 32)),
+            NO_PIPELINE_CAPS,
+            "engine mlx cannot split a model across nodes",
+        ),
         (shards_of(("a", 1, 16), ("b", 16, 32)), PIPELINE_CAPS, "shard on a starts at layer 1, expected 0"),
         (shards_of(("a", 0, 16), ("b", 15, 32)), PIPELINE_CAPS, "shard on b starts at layer 15, expected 16"),
         (shards_of(("a", 0, 16), ("b", 17, 32)), PIPELINE_CAPS, "shard on b starts at layer 17, expected 16"),
@@ -446,8 +555,8 @@ def test_refusal_names_the_engine_and_groups_nodes_refused_alike():
         "no node fits org/m (needs 1.30 GiB): "
         "a (mlx): needs 1.30 GiB, 0.50 GiB free; b (mlx): needs 1.30 GiB, 0.25 GiB free; "
         "c (mlx): no mlx engine; "
-        "a, b (vllm): no vllm engine; c (vllm): needs 1.30 GiB, 0.50 GiB free; "
-        "engine mlx cannot split a model across nodes"
+        "a+b (mlx): a: needs 0.85 GiB, 0.50 GiB free, b: needs 0.45 GiB, 0.25 GiB free; "
+        "a, b (vllm): no vllm engine; c (vllm): needs 1.30 GiB, 0.50 GiB free"
     )
 
 
@@ -465,6 +574,8 @@ def test_options_are_sorted_feasible_first_then_by_score():
         ("vllm", "c"),
         ("mlx", "b"),
         ("mlx", "d"),
+        ("mlx", "b+d"),  # single nodes first, then the fewest nodes
+        ("mlx", "a+b+d"),
     ]
 
 
@@ -480,9 +591,9 @@ def test_same_input_gives_same_output():
     small = cluster(*nodes, cards=(card(),))
     assert place(small, "org/m", "i1").node_id == "a"  # tie: lowest node_id
     with pytest.raises(PlacementError) as forward_refusal:
-        place(forward, "org/m", "i1")
+        place(forward, "org/m", "i1", caps=NO_PIPELINE_CAPS)
     with pytest.raises(PlacementError) as backward_refusal:
-        place(backward, "org/m", "i1")
+        place(backward, "org/m", "i1", caps=NO_PIPELINE_CAPS)
     assert str(forward_refusal.value) == str(backward_refusal.value)
 
 
@@ -519,7 +630,7 @@ def test_feasible_options_fit_and_cover_every_layer_once(node_specs, model, pipe
         for i, (free, engines, kind, cached) in enumerate(node_specs)
     ]
     state = cluster(*nodes, cards=(model,))
-    caps = PIPELINE_CAPS if pipeline else ENGINE_CAPS
+    caps = PIPELINE_CAPS if pipeline else NO_PIPELINE_CAPS
     options = placement_options(state, model.model_id, caps)
     assert options == placement_options(state, model.model_id, caps)
     assert [o.feasible for o in options] == sorted((o.feasible for o in options), reverse=True)
@@ -536,7 +647,10 @@ def test_feasible_options_fit_and_cover_every_layer_once(node_specs, model, pipe
         assert pipeline or len(option.shards) == 1
     if any(o.feasible for o in options):
         instance = place(state, model.model_id, "i1", caps=caps)
-        assert instance.shards == options[0].shards
+        assert [msgspec.structs.replace(s, ring_address="") for s in instance.shards] == list(
+            options[0].shards
+        )
+        assert all(s.ring_address for s in instance.shards) == (len(instance.shards) > 1)
     else:
         with pytest.raises(PlacementError):
             place(state, model.model_id, "i1", caps=caps)

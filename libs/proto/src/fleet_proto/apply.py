@@ -80,6 +80,19 @@ def _update_instance(state: State, instance_id: str, **changes: object) -> State
     return msgspec.structs.replace(state, instances=_with(state.instances, instance_id, updated))
 
 
+def _apply_instance_failed(state: State, event: InstanceFailed) -> State:
+    instance = state.instances.get(event.instance_id)
+    if instance is None:
+        return state
+    if event.generation >= 0 and event.generation != instance.generation:
+        return state  # about a placement replaced since (a late report from one of its ranks)
+    # The first report names the cause (a pipeline's other ranks fail after it, for the same reason);
+    # a later one replaces it only when it extends it (the scheduler adding why it did not re-place).
+    first = instance.status == InstanceStatus.FAILED and not event.reason.startswith(instance.reason)
+    reason = instance.reason if first else event.reason
+    return _update_instance(state, event.instance_id, status=InstanceStatus.FAILED, reason=reason)
+
+
 def _apply_instance_deleted(state: State, event: InstanceDeleted) -> State:
     return msgspec.structs.replace(state, instances=_without(state.instances, event.instance_id))
 
@@ -131,9 +144,7 @@ def _dispatch(state: State, event: Event) -> State:
                 state, event.instance_id, status=InstanceStatus.READY, progress=1.0, reason=""
             )
         case InstanceFailed():
-            return _update_instance(
-                state, event.instance_id, status=InstanceStatus.FAILED, reason=event.reason
-            )
+            return _apply_instance_failed(state, event)
         case InstanceDeleted():
             return _apply_instance_deleted(state, event)
         case DownloadProgressed():

@@ -58,6 +58,10 @@ class NodeInfo(Frozen):
     chip: str = ""  # e.g. "Apple M3 Max", "NVIDIA GB10 (DGX Spark)", the CPU model name
     gpus: tuple[GpuInfo, ...] = ()
     cached_models: tuple[str, ...] = ()  # models whose files are already on this node
+    # Pipeline rings (issue 15): the address this node's engine processes listen on, as other nodes
+    # reach it, and the first port of its ring port range (0: the node takes no part in pipelines).
+    ring_host: str = ""
+    ring_port_base: int = 0
 
 
 class ServiceKind(StrEnum):
@@ -94,6 +98,7 @@ class Shard(Frozen):
     node_id: str
     start_layer: int
     end_layer: int
+    ring_address: str = ""  # "host:port" where this rank's engine listens for the ring; "" on one node
 
 
 class Instance(Frozen):
@@ -107,6 +112,13 @@ class Instance(Frozen):
     # Pipeline placements list every rank; a single-node instance has one shard (or none, = all layers).
     shards: tuple[Shard, ...] = ()
     role: str = "both"  # "prefill" | "decode" | "both" (disaggregation, issue 9)
+    # How many times the scheduler placed this instance id again; workers restart a rank when it changes.
+    generation: int = 0
+
+    @property
+    def is_pipeline(self) -> bool:
+        """Split by layers across nodes: one engine process per shard, connected in a ring."""
+        return len(self.shards) > 1
 
 
 class DownloadPhase(StrEnum):

@@ -61,6 +61,7 @@ class InstanceFailed(EventBase, tag="instance_failed"):
 
     instance_id: str
     reason: str
+    generation: int = -1  # the placement generation the failure is about (-1: whichever is current)
 
 
 class InstanceDeleted(EventBase, tag="instance_deleted"):

@@ -67,6 +67,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     handoff_advertise: str = ""
     # A handoff that delivers no chunk for this long is given up: the decoder prefills itself.
     handoff_stall_s: float = 30.0
+    # Pipeline-parallel instances (layers split across workers, ranks in an MLX ring over TCP): the
+    # address this worker's engine processes listen on, as other workers reach it ("auto": this
+    # machine's fastest non-loopback interface address), and the first of the 64 ports its ranks take
+    # (0: this worker takes no part in pipelines).
+    ring_host: str = "127.0.0.1"
+    ring_port_base: int = 52400
     # Options per engine for the instances a worker loads, as JSON: {"vllm": {"kv_cache_bytes": 268435456}}
     # (the keyword arguments of that engine's class: fleet_worker/engines/).
     engine_options: str = ""

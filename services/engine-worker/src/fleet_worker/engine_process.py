@@ -11,8 +11,11 @@ noticed at once and every request still in flight gets a final "error" output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from multiprocessing.connection import Connection
@@ -22,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from fleet_worker.engines.base import Engine, EngineOutput, EngineRequest, KVChanges, load_engine
+from fleet_worker.engines.base import Engine, EngineOutput, EngineRequest, KVChanges, Lockstep, load_engine
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
@@ -55,8 +58,14 @@ class Outputs(msgspec.Struct, frozen=True, tag=True):
     kv: KVChanges = KVChanges()
 
 
+class Failed(msgspec.Struct, frozen=True, tag=True):
+    """The engine raised out of a step (e.g. a pipeline rank lost its ring): the child exits."""
+
+    reason: str
+
+
 ToChild = Submit | Cancel | Shutdown
-FromChild = LoadProgressed | Loaded | LoadFailed | Outputs
+FromChild = LoadProgressed | Loaded | LoadFailed | Outputs | Failed
 
 
 class EngineLoadError(RuntimeError):
@@ -102,38 +111,86 @@ def run_child(conn: Connection, engine_name: str, model_dir: str, options: dict[
         conn.send_bytes(encoder.encode(LoadFailed(reason=_describe(error))))
         return
     conn.send_bytes(encoder.encode(Loaded(load_time_s=time.perf_counter() - started)))
+    lockstep = getattr(engine, "lockstep", None)
     try:
-        _serve(conn, engine, encoder)
+        if lockstep is None:
+            _serve(conn, engine, encoder)
+        else:
+            _serve_lockstep(conn, engine, encoder, lockstep)
     except (EOFError, OSError):
         pass  # the parent closed its end or died: nobody is left to read outputs
+    except Exception as error:
+        conn.send_bytes(encoder.encode(Failed(reason=_describe(error))))
+        raise
     finally:
         engine.close()
+
+
+def _apply(engine: Engine, command: ToChild, outputs: list[EngineOutput]) -> bool:
+    """Hand one command to the engine; False on Shutdown."""
+    if isinstance(command, Shutdown):
+        return False
+    if isinstance(command, Cancel):
+        engine.cancel(command.request_id)
+        return True
+    try:
+        engine.add(command.request)
+    except Exception as error:
+        outputs.append(
+            EngineOutput(request_id=command.request.request_id, finish_reason="error", error=_describe(error))
+        )
+    return True
+
+
+def _pending_commands(conn: Connection, engine: Engine, decoder: msgspec.msgpack.Decoder) -> list[ToChild]:
+    """Block only when idle; with work in hand take just what has already arrived."""
+    commands: list[ToChild] = []
+    while conn.poll(0 if commands or engine.has_work() else None):
+        commands.append(decoder.decode(conn.recv_bytes()))
+    return commands
 
 
 def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder) -> None:
     decoder = msgspec.msgpack.Decoder(ToChild)
     while True:
         outputs: list[EngineOutput] = []
-        # Block only when idle; with work in hand take just what has already arrived.
-        while conn.poll(0 if engine.has_work() else None):
-            command = decoder.decode(conn.recv_bytes())
-            if isinstance(command, Shutdown):
-                return
-            if isinstance(command, Cancel):
-                engine.cancel(command.request_id)
-                continue
-            try:
-                engine.add(command.request)
-            except Exception as error:
-                outputs.append(
-                    EngineOutput(
-                        request_id=command.request.request_id, finish_reason="error", error=_describe(error)
-                    )
-                )
+        if not all(_apply(engine, c, outputs) for c in _pending_commands(conn, engine, decoder)):
+            return
         outputs += engine.step()
         kv = engine.take_kv_changes()
         if outputs or kv:
             conn.send_bytes(encoder.encode(Outputs(outputs=outputs, kv=kv)))
+
+
+def _serve_lockstep(
+    conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder, lockstep: Lockstep
+) -> None:
+    """One rank of a pipeline: rank 0 takes the worker's commands and shares them before each step,
+    so every rank adds, cancels and steps alike; only rank 0's outputs go to its worker. Another
+    rank waits in the ring, so its worker's Shutdown (or death) is watched on a thread."""
+    decoder = msgspec.msgpack.Decoder(ToChild)
+    batch_decoder = msgspec.msgpack.Decoder(list[ToChild])
+    if lockstep.rank > 0:
+        threading.Thread(target=_exit_on_shutdown, args=(conn, decoder), daemon=True).start()
+    while True:
+        payload = b""
+        if lockstep.rank == 0:
+            commands = _pending_commands(conn, engine, decoder)
+            payload = encoder.encode(commands) if commands else b""
+        shared = lockstep.share_bytes(payload)
+        outputs: list[EngineOutput] = []
+        if shared and not all(_apply(engine, c, outputs) for c in batch_decoder.decode(shared)):
+            return
+        outputs += engine.step()
+        if lockstep.rank == 0 and outputs:
+            conn.send_bytes(encoder.encode(Outputs(outputs=outputs)))
+
+
+def _exit_on_shutdown(conn: Connection, decoder: msgspec.msgpack.Decoder) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        while not isinstance(decoder.decode(conn.recv_bytes()), Shutdown):
+            pass
+    os._exit(0)  # the main thread may be blocked in the ring: nothing else would end it
 
 
 class EngineProcess:
@@ -152,6 +209,7 @@ class EngineProcess:
         self._stopping = False
         self.load_time_s = 0.0
         self.exit_reason = ""  # why the child exited, once it has
+        self._failure = ""  # what the child said went wrong before it exited
         # Called on the loop with each step's KV changes (set by whoever indexes this engine's blocks).
         self.on_kv_changes: Callable[[KVChanges], None] | None = None
 
@@ -232,6 +290,10 @@ class EngineProcess:
         return self._process.pid
 
     @property
+    def exitcode(self) -> int | None:
+        return self._process.exitcode
+
+    @property
     def alive(self) -> bool:
         return not self._exited.is_set() and self._process.is_alive()
 
@@ -280,6 +342,8 @@ class EngineProcess:
                     self._deliver(message.outputs)
                     if message.kv and self.on_kv_changes is not None:
                         self.on_kv_changes(message.kv)
+                elif isinstance(message, Failed):
+                    self._failure = message.reason
         except (EOFError, OSError):
             self._loop.remove_reader(self._conn.fileno())  # _on_exit finishes up on the sentinel
 
@@ -296,6 +360,8 @@ class EngineProcess:
             self._loop.remove_reader(self._conn.fileno())
         self._process.join(1)  # the sentinel fired: this only reaps
         reason = "engine process stopped" if self._stopping else describe_exit(self._process.exitcode)
+        if self._failure:
+            reason = f"engine failed: {self._failure}"
         self.exit_reason = reason
         for request_id in sorted(self._in_flight):
             self._queue.put_nowait(EngineOutput(request_id=request_id, finish_reason="error", error=reason))

@@ -40,7 +40,7 @@ from fleet_worker.handoff_transport import (
     tune,
     upload_folder,
 )
-from fleet_worker.probe import Interface
+from fleet_worker.probe import Interface, fastest_addresses
 
 log = logging.getLogger("fleet_worker.handoff")
 REQUEST_TIMEOUT_S = 5.0
@@ -54,15 +54,12 @@ CancelExport = Callable[[PrefillRequest], None]
 def advertised_endpoints(
     host: str, port: int, configured: str, interfaces: Sequence[Interface]
 ) -> tuple[str, ...]:
-    """The endpoints decoders try, fastest network path first (the seed ranks Thunderbolt, then
-    Ethernet, then Wi-Fi: link speed orders them the same way); loopback only when alone."""
+    """The endpoints decoders try, fastest network path first; loopback only when alone."""
     if configured.strip():
         return tuple(e.strip() for e in configured.split(",") if e.strip())
     if host not in ("0.0.0.0", ""):
         return (f"{host}:{port}",)
-    ranked = sorted(interfaces, key=lambda i: (i.loopback, -i.speed_mbps, i.name))
-    external = [i for i in ranked if not i.loopback] or ranked
-    return tuple(f"{i.address}:{port}" for i in external)
+    return tuple(f"{address}:{port}" for address in fastest_addresses(interfaces))
 
 
 class PrefillServer:

@@ -36,6 +36,7 @@ from fleet_proto import (
     TokenChunk,
 )
 from fleet_proto.routing import KV_EXPORT_ENGINES, KV_IMPORT_ENGINES
+from fleet_runtime.restarts import RestartPolicy
 from fleet_runtime.service import ServiceContext
 from fleet_store import (
     DEFAULT_REVISION,
@@ -121,17 +122,32 @@ def merged_stats(transport: HandoffStats | None, engine: HandoffStats | None) ->
     return msgspec.structs.replace(transport, fallback=engine.fallback)
 
 
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How often a crashed engine is restarted: at most `max_restarts` within `window_s`; a crash
-    beyond that leaves the instance failed (a crash loop would only hide the reason)."""
+def shard_rank(instance: Instance, node_id: str) -> int | None:
+    """This node's rank in a pipeline instance (its shard's position), None when it holds none."""
+    return next((rank for rank, s in enumerate(instance.shards) if s.node_id == node_id), None)
 
-    max_restarts: int = 3
-    window_s: float = 600.0
 
-    def allows(self, crashes: list[float], now: float) -> bool:
-        """`crashes`: earlier restart times of this instance (monotonic)."""
-        return len([t for t in crashes if now - t < self.window_s]) < self.max_restarts
+def runs_here(instance: Instance, node_id: str) -> bool:
+    return instance.node_id == node_id or shard_rank(instance, node_id) is not None
+
+
+def pipeline_options(instance: Instance, rank: int) -> dict[str, Any]:
+    """The MLX engine's `pipeline` option of one rank: where every rank listens, and its layers."""
+    shard = instance.shards[rank]
+    return {
+        "rank": rank,
+        "addresses": [s.ring_address for s in instance.shards],
+        "start_layer": shard.start_layer,
+        "end_layer": shard.end_layer,
+    }
+
+
+def rank_label(instance: Instance, rank: int) -> str:
+    shard = instance.shards[rank]
+    return (
+        f"rank {rank} of {len(instance.shards)} (layers {shard.start_layer}-{shard.end_layer} "
+        f"on {shard.node_id})"
+    )
 
 
 class LoadProgressReporter:
@@ -154,9 +170,12 @@ class LoadProgressReporter:
 
 
 class RunningInstance:
-    def __init__(self, instance: Instance, engine: EngineProcess, kv_fingerprint: str = "") -> None:
+    def __init__(
+        self, instance: Instance, engine: EngineProcess, kv_fingerprint: str = "", rank: int = 0
+    ) -> None:
         self.instance = instance
         self.engine = engine
+        self.rank = rank  # in a pipeline; rank 0 takes the tasks, the others only step along
         self.kv_fingerprint = kv_fingerprint
         self.fetched: dict[str, list[Path]] = {}  # request -> KV files fetched for it
         self.next_index: dict[str, int] = {}  # in-flight request -> next chunk index
@@ -235,12 +254,16 @@ class InstanceManager:
         return {
             i.instance_id: i
             for i in state.instances.values()
-            if i.node_id == self._node_id
+            if runs_here(i, self._node_id)
             and (i.status != InstanceStatus.FAILED or i.instance_id in self._restarting)
         }
 
     async def reconcile(self, state: State) -> None:
         wanted = self.wanted(state)
+        for instance_id, running in list(self._running.items()):
+            again = wanted.get(instance_id)
+            if again is not None and again.generation != running.instance.generation:
+                await self._unload(instance_id)  # placed anew (a rank failed): every rank restarts
         for instance_id, instance in wanted.items():
             idle = instance_id not in self._running and instance_id not in self._loading
             if idle and instance.status != InstanceStatus.DRAINING:  # a drained one is not reloaded
@@ -251,32 +274,49 @@ class InstanceManager:
             if instance_id not in wanted:  # deleted, failed, or moved to another node
                 await self._unload(instance_id)
         for instance_id, running in self._running.items():
-            if wanted[instance_id].status == InstanceStatus.DRAINING and running.draining is None:
+            # rank 0 drains a pipeline; the other ranks step along until it is deleted
+            draining = wanted[instance_id].status == InstanceStatus.DRAINING and running.rank == 0
+            if draining and running.draining is None:
                 running.draining = asyncio.create_task(self._drain(running), name=f"drain-{instance_id}")
 
     async def _publish(self, event) -> None:
         await self._ctx.bus.publish_event(event)
 
     async def _load(self, instance: Instance) -> None:
+        """Fetch, start and warm up the engine. In a pipeline each rank's worker loads its shard;
+        rank 0's reports the instance's progress and readiness (its warm-up runs through every
+        rank), the others report only their failures."""
         ctx, iid = self._ctx, instance.instance_id
         engine: EngineProcess | None = None
+        rank = (shard_rank(instance, self._node_id) or 0) if instance.is_pipeline else 0
         try:
-            await self._status(iid, InstanceStatus.DOWNLOADING, 0.0)
-            manifest, folder = await self._fetch(instance)
-            await self._loading_progress(iid, 0.0)
-            options = engine_options(self._options, instance.engine, manifest, self._kv_settings)
+            if rank == 0:
+                await self._status(iid, InstanceStatus.DOWNLOADING, 0.0)
+            manifest, folder = await self._fetch(instance, report=rank == 0)
+            if rank == 0:
+                await self._loading_progress(iid, 0.0)
+            if instance.is_pipeline:  # a rank's KV holds only its layers: no shared KV tier
+                options = engine_options(self._options, instance.engine, manifest)
+                options["pipeline"] = pipeline_options(instance, rank)
+            else:
+                options = engine_options(self._options, instance.engine, manifest, self._kv_settings)
             progress = LoadProgressReporter(lambda fraction: self._loading_progress(iid, fraction))
             engine = await EngineProcess.start(
-                instance.engine, folder, options, LOAD_TIMEOUT_S, on_progress=progress.report
+                instance.engine,
+                folder,
+                options,
+                LOAD_TIMEOUT_S,
+                on_progress=progress.report if rank == 0 else None,
             )
             await progress.flush()
-            await self._status(iid, InstanceStatus.WARMING, 0.0)
-            running = RunningInstance(instance, engine, options.get("kv_fingerprint", ""))
+            running = RunningInstance(instance, engine, options.get("kv_fingerprint", ""), rank)
             if self._kv is not None and running.kv_fingerprint:
                 kv, fingerprint = self._kv, running.kv_fingerprint
                 engine.on_kv_changes = lambda changes: kv.on_engine_changes(fingerprint, changes)
             running.pump = asyncio.create_task(self._pump(running), name=f"pump-{iid}")
-            await self._warm_up(running)
+            if rank == 0:
+                await self._status(iid, InstanceStatus.WARMING, 0.0)
+                await self._warm_up(running)
         except asyncio.CancelledError:  # unloaded (deleted or moved) while loading
             self._restarting.discard(iid)
             self._release(instance)
@@ -289,8 +329,15 @@ class InstanceManager:
             if engine is not None:
                 await engine.stop()
             log.exception("loading %s failed", iid)
+            reason = f"{rank_label(instance, rank)}: {exc}" if instance.is_pipeline else str(exc)
             await self._publish(
-                InstanceFailed(instance_id=iid, reason=str(exc), origin=ctx.service_id, at=time.time())
+                InstanceFailed(
+                    instance_id=iid,
+                    reason=reason,
+                    generation=instance.generation,
+                    origin=ctx.service_id,
+                    at=time.time(),
+                )
             )
             return
         finally:
@@ -302,8 +349,9 @@ class InstanceManager:
             await engine.stop()
             return
         self._running[iid] = running
-        await self._publish(InstanceReady(instance_id=iid, origin=ctx.service_id, at=time.time()))
-        log.info("instance %s of %s ready (engine pid %d)", iid, instance.model_id, engine.pid)
+        if rank == 0:
+            await self._publish(InstanceReady(instance_id=iid, origin=ctx.service_id, at=time.time()))
+        log.info("instance %s of %s ready (engine pid %d, rank %d)", iid, instance.model_id, engine.pid, rank)
 
     async def _loading_progress(self, instance_id: str, progress: float) -> None:
         event = InstanceLoading(instance_id=instance_id, progress=progress)
@@ -346,7 +394,7 @@ class InstanceManager:
         await self._unload(iid)
         await self._publish(InstanceDeleted(instance_id=iid, origin=self._ctx.service_id, at=time.time()))
 
-    async def _fetch(self, instance: Instance) -> tuple[ModelManifest, Path]:
+    async def _fetch(self, instance: Instance, report: bool = True) -> tuple[ModelManifest, Path]:
         try:
             manifest = await asyncio.to_thread(
                 load_manifest, self._store, MODELS_BUCKET, instance.model_id, DEFAULT_REVISION
@@ -373,7 +421,7 @@ class InstanceManager:
 
         def progress(done: int, total: int) -> None:
             now = time.monotonic()
-            if now - last[0] >= 0.5 and total:
+            if report and now - last[0] >= 0.5 and total:
                 last[0] = now
                 update = self._status(instance.instance_id, InstanceStatus.DOWNLOADING, done / total)
                 asyncio.run_coroutine_threadsafe(update, loop)
@@ -448,9 +496,17 @@ class InstanceManager:
         model is cached: seconds), unless it has crashed too often lately."""
         instance, now = running.instance, time.monotonic()
         iid = instance.instance_id
+        reason = running.engine.exit_reason or "engine process exited unexpectedly"
+        if instance.is_pipeline and running.rank > 0 and running.engine.exitcode == 0:
+            return  # rank 0 shut the pipeline down (unloaded): not a failure
+        if instance.is_pipeline:  # one rank alone cannot restart: the scheduler places all anew
+            reason = f"{rank_label(instance, running.rank)}: {reason}"
+            log.error("instance %s: %s", iid, reason)
+            failed = InstanceFailed(instance_id=iid, reason=reason, generation=instance.generation)
+            await self._publish(msgspec.structs.replace(failed, origin=self._ctx.service_id, at=time.time()))
+            return
         restarts = self._restarts.setdefault(iid, [])
         restart = self._restart_policy.allows(restarts, now)
-        reason = running.engine.exit_reason or "engine process exited unexpectedly"
         if restart:
             restarts.append(now)
             self._restarting.add(iid)

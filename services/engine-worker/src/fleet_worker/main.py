@@ -28,7 +28,14 @@ from fleet_worker.handoff import HandoffClient, PrefillServer
 from fleet_worker.instances import InstanceManager, KVSettings, parse_engine_options
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
-from fleet_worker.probe import Overrides, network_interfaces, node_id_from, node_info, node_metrics
+from fleet_worker.probe import (
+    Overrides,
+    network_interfaces,
+    node_id_from,
+    node_info,
+    node_metrics,
+    resolved_ring_host,
+)
 
 METRICS_INTERVAL_S = 1.0
 
@@ -79,11 +86,20 @@ async def main(ctx: ServiceContext) -> None:
     settings = ctx.settings
     overrides = Overrides(settings.node_memory_bytes, settings.node_engines, settings.node_kind)
     gpus = await asyncio.to_thread(NvmlReader.open)  # None without NVML or GPUs: normal
+    interfaces = await asyncio.to_thread(network_interfaces)
+    ring_host = resolved_ring_host(settings.ring_host, interfaces)
 
     async def announce() -> None:
         """NodeJoined on start and whenever what the node offers changes (a model got cached)."""
         info = await asyncio.to_thread(
-            node_info, node_id, model_dir, overrides, cache.complete_models(), gpus
+            node_info,
+            node_id,
+            model_dir,
+            overrides,
+            cache.complete_models(),
+            gpus,
+            ring_host=ring_host,
+            ring_port_base=settings.ring_port_base,
         )
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 
@@ -110,7 +126,7 @@ async def main(ctx: ServiceContext) -> None:
         host=settings.handoff_host,
         port=settings.handoff_port,
         advertise=settings.handoff_advertise,
-        interfaces=await asyncio.to_thread(network_interfaces),
+        interfaces=interfaces,
         stall_s=settings.handoff_stall_s,
     )
     await prefill_server.start()

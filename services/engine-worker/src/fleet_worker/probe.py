@@ -166,6 +166,8 @@ def node_info(
     overrides: Overrides = PROBED,
     cached: tuple[str, ...] = (),
     reader: GpuReader | Literal["auto"] | None = AUTO,
+    ring_host: str = "",
+    ring_port_base: int = 0,
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     disk = psutil.disk_usage(str(_existing(model_dir)))
@@ -186,6 +188,8 @@ def node_info(
         chip=chip_name(gpus),
         gpus=gpus,
         cached_models=tuple(cached),
+        ring_host=ring_host,
+        ring_port_base=ring_port_base,
     )
 
 
@@ -236,3 +240,17 @@ def network_interfaces() -> list[Interface]:
                 loopback = address.address.startswith("127.")
                 found.append(Interface(name, address.address, stat.speed, loopback))
     return found
+
+
+def fastest_addresses(interfaces: Sequence[Interface]) -> list[str]:
+    """Interface addresses, fastest network path first (the seed ranks Thunderbolt, then Ethernet, then
+    Wi-Fi: link speed orders them the same way); loopback only when there is nothing else."""
+    ranked = sorted(interfaces, key=lambda i: (i.loopback, -i.speed_mbps, i.name))
+    return [i.address for i in ranked if not i.loopback] or [i.address for i in ranked]
+
+
+def resolved_ring_host(configured: str, interfaces: Sequence[Interface]) -> str:
+    """FLEET_RING_HOST as NodeInfo carries it: "auto" becomes this machine's fastest address."""
+    if configured.strip() != AUTO:
+        return configured.strip()
+    return next(iter(fastest_addresses(interfaces)), "127.0.0.1")

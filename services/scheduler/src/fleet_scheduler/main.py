@@ -1,8 +1,9 @@
 """Scheduler service: the cluster's only decision maker, wired to the bus.
 
 Every replica follows State and answers `fleet.route` and `fleet.placements`; the replica holding
-the leader lease also consumes commands (placement) and times out silent workers (failover).
-Decisions are pure functions (placement.py, liveness.py, fleet_proto.routing).
+the leader lease also consumes commands (placement), times out silent workers (failover) and places
+failed pipelines again. Decisions are pure functions (placement.py, liveness.py, replacement.py,
+fleet_proto.routing).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fleet_proto import (
     DeleteInstance,
     Instance,
     InstanceDeleted,
+    InstanceFailed,
     InstancePlaced,
     InstanceStatus,
     InstanceStatusChanged,
@@ -38,12 +40,16 @@ from fleet_proto.subjects import PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUT
 from fleet_runtime.service import ServiceContext, run
 from fleet_scheduler.leader import LeaderLease
 from fleet_scheduler.liveness import failover_events, timed_out_nodes
-from fleet_scheduler.placement import PlacementError, place, placement_options
+from fleet_scheduler.placement import PlacementError, place, placed_again, placement_options
+from fleet_scheduler.replacement import failed_pipeline, replacement
 from fleet_store.kv_index import TIER2, KVIndex, cached_prefix_blocks, tokens_by_holder
 
 log = logging.getLogger("fleet_scheduler")
 LIVENESS_CHECK_S = 1.0
 KV_LOOKUP_TIMEOUT_S = 0.2  # per route request: Redis down costs a request no more
+# (instance id, generation) of each failure the leader has answered (failed over, placed again or not):
+# every rank of a pipeline may report the same one, and our own InstanceFailed events come back to us.
+Answered = set[tuple[str, int]]
 
 
 class LoadTracker:
@@ -150,7 +156,7 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
             await ctx.bus.publish_event(msgspec.structs.replace(event, origin=ctx.service_id, at=time.time()))
 
 
-async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker) -> None:
+async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker, answered: Answered) -> None:
     """Leader only: fail over nodes whose metrics stopped (a node starts its clock when first seen)."""
     timeout_s = ctx.settings.node_timeout_s
     # A new leader gives every node a full timeout: what it heard before it led says nothing, e.g. it
@@ -166,16 +172,47 @@ async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker) -> None:
             reason = f"missed heartbeats for {timeout_s:.0f} s"
             log.warning("node %s timed out: failing over its instances", node_id)
 
-            def replace(remaining, instance: Instance) -> Instance:
-                return place(remaining, instance.model_id, instance.instance_id, instance.engine)
-
-            for event in failover_events(state, node_id, reason, replace):
+            for event in failover_events(state, node_id, reason, placed_again):
+                if isinstance(event, InstanceFailed):
+                    answered.add((event.instance_id, event.generation))
                 await ctx.bus.publish_event(
                     msgspec.structs.replace(event, origin=ctx.service_id, at=time.time())
                 )
             tracker.last_seen.pop(node_id, None)
             with contextlib.suppress(TimeoutError):  # our own NodeLeft, applied before the next check
                 await ctx.follower.wait_for(lambda s, n=node_id: n not in s.nodes, 10.0)
+
+
+async def replace_failed_pipelines(ctx: ServiceContext, answered: Answered) -> None:
+    """Leader only: a pipeline instance a rank's failure left failed is placed again (replacement.py)."""
+    replaced_at: dict[str, list[float]] = {}  # instance id -> monotonic times it was placed again
+    async with ctx.follower.listen() as live:
+        async for _, event in live:
+            if not isinstance(event, InstanceFailed):
+                continue
+            state = ctx.follower.state
+            instance = failed_pipeline(state, event)
+            if instance is None or (instance.instance_id, instance.generation) in answered:
+                continue
+            answered.add((instance.instance_id, instance.generation))
+            now = time.monotonic()
+            times = replaced_at.setdefault(instance.instance_id, [])
+            answer = replacement(state, instance, placed_again, times, now)
+            if isinstance(answer, InstancePlaced):
+                times.append(now)
+                where = ", ".join(s.ring_address for s in answer.instance.shards)
+                log.warning(
+                    "pipeline %s failed (%s): placing it again as generation %d on %s",
+                    instance.instance_id,
+                    instance.reason,
+                    answer.instance.generation,
+                    where,
+                )
+            else:
+                log.error("pipeline %s stays failed: %s", instance.instance_id, answer.reason)
+            await ctx.bus.publish_event(
+                msgspec.structs.replace(answer, origin=ctx.service_id, at=time.time())
+            )
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -241,13 +278,19 @@ async def main(ctx: ServiceContext) -> None:
     async def commands() -> None:
         await consume_commands(ctx.bus, "scheduler", (CreateInstance, DeleteInstance), on_command)
 
-    async def liveness() -> None:
-        await watch_liveness(ctx, tracker)
+    answered: Answered = set()
 
-    # Only the leader consumes commands and times out workers; a crashed duty ends the leadership
-    # (and the service), so a healthy replica takes over. Routing stays on every replica.
+    async def liveness() -> None:
+        await watch_liveness(ctx, tracker, answered)
+
+    async def pipelines() -> None:
+        await replace_failed_pipelines(ctx, answered)
+
+    # Only the leader consumes commands, times out workers and re-places pipelines; a crashed duty ends
+    # the leadership (and the service), so a healthy replica takes over. Routing stays on every replica.
     lease = LeaderLease(ctx.bus, ctx.service_id)
-    ctx.spawn(lease.lead({"commands": commands, "liveness": liveness}), "leader")
+    jobs = {"commands": commands, "liveness": liveness, "pipelines": pipelines}
+    ctx.spawn(lease.lead(jobs), "leader")
     ctx.on_shutdown(lease.release)  # a follower takes over at once rather than after the lease expires
 
 

@@ -3,14 +3,16 @@
 The rules come from the seeds (exo's vLLM-aware placement): an engine runs only where it is installed;
 a model needs its weights times the engine's headroom; MLX-quantized weights load only in MLX and not
 on CUDA; mlx-community models prefer Apple, then CPU nodes; nodes that hold the files already come
-next; otherwise the most memory left after loading wins.
+next; otherwise the most memory left after loading wins. A model that no single node fits is split by
+layers across nodes (engines whose ENGINE_CAPS allow it), each rank listening for its ring on a port
+of its node's range.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -19,6 +21,10 @@ from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, NodeKind,
 GiB = 2**30
 MLX_COMMUNITY = "mlx-community"
 ECHO_ENGINE = "echo"
+# A node's ring ports: [ring_port_base, ring_port_base + RING_PORT_SPAN), one per pipeline rank on its host.
+RING_PORT_SPAN = 64
+LOOPBACK = "127.0.0.1"
+NO_RINGS = "takes no part in pipelines (FLEET_RING_PORT_BASE=0)"
 _UNQUANTIZED = frozenset({"", "bf16", "fp16", "bfloat16", "float16", "fp32", "float32"})
 # Instances that hold (or will hold) memory on their nodes. A node's available memory in State is what
 # it reported when it joined, before these instances loaded, so every live instance is subtracted.
@@ -40,7 +46,7 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
 
 
 ENGINE_CAPS: dict[str, EngineCaps] = {
-    "mlx": EngineCaps(pipeline=False),  # issue 15 enables pipeline
+    "mlx": EngineCaps(pipeline=True),  # ranks in an mx.distributed ring over TCP (issue 15)
     "vllm": EngineCaps(pipeline=False),
     # Loads no weights, so it needs no memory and runs any model: only when asked for by name, on a
     # node that offers it (FLEET_NODE_ENGINES); never probed as installed.
@@ -131,12 +137,15 @@ def engine_refusal(card: ModelCard, engine: str) -> str:
     return ""
 
 
-def node_refusal(card: ModelCard, engine: str, node: NodeInfo) -> str:
+def node_refusal(card: ModelCard, engine: str, node: NodeInfo, pipeline: bool = False) -> str:
+    """Why `node` cannot run (a shard of, when `pipeline`) `card` on `engine`; "" when it can."""
     if not has_engine(node, engine):
         return f"no {engine} engine"
     # MLX has no quantized matmul on CUDA.
     if is_mlx_quantized(card) and node.kind == NodeKind.CUDA:
         return "MLX-quantized weights do not run on CUDA nodes"
+    if pipeline and node.ring_port_base <= 0:
+        return NO_RINGS
     return ""
 
 
@@ -197,7 +206,7 @@ def _evaluate(
     need = memory_needed(card, shards, caps.memory_headroom)
     after = {node_id: free[node_id] - n for node_id, n in need.items()}
     nodes = [state.nodes[node_id] for node_id in need]
-    problems = [(n.node_id, node_refusal(card, engine, n)) for n in nodes]
+    problems = [(n.node_id, node_refusal(card, engine, n, len(nodes) > 1)) for n in nodes]
     problems += [(i, f"needs {gib(need[i])}, {gib(free[i])} free") for i in need if after[i] < 0]
     problems = [(i, p) for i, p in problems if p]
     uncached = sum(card.model_id not in n.cached_models for n in nodes)
@@ -223,7 +232,7 @@ def _pipeline_layouts(
     card: ModelCard, engine: str, nodes: list[NodeInfo], free: Mapping[str, int]
 ) -> Iterator[tuple[Shard, ...]]:
     """For each k >= 2, the k roomiest usable nodes (no other k nodes have more memory), by node_id."""
-    usable = [n for n in nodes if not node_refusal(card, engine, n) and free[n.node_id] > 0]
+    usable = [n for n in nodes if not node_refusal(card, engine, n, pipeline=True) and free[n.node_id] > 0]
     roomiest = sorted(usable, key=lambda n: (-free[n.node_id], n.node_id))
     for k in range(2, min(len(roomiest), card.num_layers) + 1):
         chosen = sorted(roomiest[:k], key=lambda n: n.node_id)
@@ -258,13 +267,18 @@ def placement_options(
         if caps[engine].pipeline:
             layouts = _pipeline_layouts(card, engine, nodes, free)
             options += [_evaluate(state, card, engine, shards, free, caps[engine]) for shards in layouts]
+            # say which nodes the layouts left out, when a pipeline is what the model needs
+            outside = [n.node_id for n in nodes if has_engine(n, engine) and n.ring_port_base <= 0]
+            if outside and not any(o.feasible for o in singles):
+                reason = f"{', '.join(outside)}: {NO_RINGS}"
+                options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=reason))
         elif sum(has_engine(n, engine) for n in nodes) > 1 and not any(o.feasible for o in singles):
             reason = f"engine {engine} cannot split a model across nodes"
             options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=reason))
     return _rank(options)
 
 
-# --- explicit placements and the choice --------------------------------------------------------
+# --- explicit placements ----------------------------------------------------------------------
 
 
 def layout_problem(
@@ -294,7 +308,7 @@ def layout_problem(
 
 def _shard_node_refusal(state: State, card: ModelCard, engine: str, shards: Sequence[Shard]) -> str:
     for shard in shards:
-        if reason := node_refusal(card, engine, state.nodes[shard.node_id]):
+        if reason := node_refusal(card, engine, state.nodes[shard.node_id], len(shards) > 1):
             return f"{shard.node_id}: {reason}"
     return ""
 
@@ -333,7 +347,11 @@ def _refusal(
         reasons = (f"{o.engine}: {o.reason}" if len(engines) > 1 else o.reason for o in options)
         return f"cannot place {card.model_id} as asked: " + "; ".join(reasons)
     groups: dict[tuple[str, str], list[str]] = {}
-    for o in sorted(options, key=lambda o: (not o.shards, engines.index(o.engine), option_label(o))):
+    # per engine, single nodes before pipelines of more and more nodes; notices last
+    order = sorted(
+        options, key=lambda o: (not o.shards, engines.index(o.engine), len(o.shards), option_label(o))
+    )
+    for o in order:
         groups.setdefault((o.engine, o.reason), []).append(option_label(o))
     items = []
     for (engine, reason), labels in groups.items():
@@ -345,6 +363,41 @@ def _refusal(
     return f"no node fits {card.model_id} (needs {gib(need)}): " + "; ".join(items)
 
 
+# --- pipeline rings ----------------------------------------------------------------------------
+
+
+def ring_addresses_in_use(state: State) -> set[str]:
+    return {s.ring_address for i in state.instances.values() for s in i.shards if s.ring_address}
+
+
+def free_ring_address(node: NodeInfo, taken: Collection[str]) -> str:
+    """The lowest port of the node's ring range on its ring host that is not `taken` ("host:port")."""
+    host = node.ring_host or LOOPBACK
+    ports = range(node.ring_port_base, node.ring_port_base + RING_PORT_SPAN)
+    for port in ports:
+        if (address := f"{host}:{port}") not in taken:
+            return address
+    raise PlacementError(
+        f"{node.node_id}: every ring port on {host} ({ports.start}-{ports.stop - 1}) is in use"
+    )
+
+
+def ring_addresses(state: State, shards: Sequence[Shard], avoid: Collection[str] = ()) -> tuple[Shard, ...]:
+    """Each shard with the address its rank listens on for the ring: a port no instance's rank uses on
+    that host (nodes may share one: several workers on a machine), nor one in `avoid` (the addresses
+    of a generation being replaced, whose processes may still be closing)."""
+    taken = ring_addresses_in_use(state) | set(avoid)
+    placed = []
+    for shard in shards:
+        address = free_ring_address(state.nodes[shard.node_id], taken)
+        taken.add(address)
+        placed.append(msgspec.structs.replace(shard, ring_address=address))
+    return tuple(placed)
+
+
+# --- the choice --------------------------------------------------------------------------------
+
+
 def place(
     state: State,
     model_id: str,
@@ -352,8 +405,10 @@ def place(
     engine: str = "",
     caps: Mapping[str, EngineCaps] = ENGINE_CAPS,
     shards: Sequence[Shard] | None = None,
+    avoid_ring: Collection[str] = (),
 ) -> Instance:
-    """The best feasible placement (on `engine` when given), or the one asked for in `shards`, checked."""
+    """The best feasible placement (on `engine` when given), or the one asked for in `shards`, checked.
+    A pipeline's ranks get ring addresses (not in `avoid_ring`); a single node needs none."""
     if not state.nodes:
         raise PlacementError("no engine-worker has joined the cluster")
     card = model_card(state, model_id)
@@ -365,11 +420,30 @@ def place(
     best = next((o for o in options if o.feasible), None)
     if best is None:
         raise PlacementError(_refusal(card, options, engines, caps, explicit=shards is not None))
+    chosen = tuple(msgspec.structs.replace(s, ring_address="") for s in best.shards)
+    if len(chosen) > 1:
+        chosen = ring_addresses(state, chosen, avoid_ring)
     return Instance(
         instance_id=instance_id,
         model_id=model_id,
-        node_id=best.shards[0].node_id,
+        node_id=chosen[0].node_id,
         engine=best.engine,
         # A stand-in card does not know the layer count: no shards means all layers.
-        shards=best.shards if model_id in state.models else (),
+        shards=chosen if model_id in state.models else (),
     )
+
+
+def placed_again(state: State, instance: Instance, caps: Mapping[str, EngineCaps] = ENGINE_CAPS) -> Instance:
+    """`instance` placed anew as its next generation (same id, model, engine and role) wherever it fits
+    now, its own memory no longer counted; its ranks get other ring ports than the old generation's,
+    whose processes may still be closing."""
+    others = {k: v for k, v in state.instances.items() if k != instance.instance_id}
+    placed = place(
+        msgspec.structs.replace(state, instances=others),
+        instance.model_id,
+        instance.instance_id,
+        instance.engine,
+        caps,
+        avoid_ring={s.ring_address for s in instance.shards if s.ring_address},
+    )
+    return msgspec.structs.replace(placed, role=instance.role, generation=instance.generation + 1)

@@ -77,6 +77,17 @@ class KVChanges(msgspec.Struct, frozen=True, kw_only=True):
         return bool(self.in_memory or self.evicted or self.written)
 
 
+class Lockstep(Protocol):
+    """How one rank of a pipeline-parallel engine keeps in step with the others (mlx_pipeline.Ring):
+    an engine that is such a rank has it as its `lockstep` attribute; other engines have none."""
+
+    rank: int
+
+    def share_bytes(self, payload: bytes) -> bytes:
+        """Rank 0's payload, on every rank (the others pass b"")."""
+        ...
+
+
 class Engine(Protocol):
     def add(self, request: EngineRequest) -> None: ...
 

@@ -64,6 +64,7 @@ from fleet_worker.engines.base import (
 )
 from fleet_worker.engines.mlx_handoff import Export, apply_handoff, movable_problem
 from fleet_worker.engines.mlx_kv import MlxPrefixStore
+from fleet_worker.engines.mlx_pipeline import PipelineSpec, Ring, connect_layers, join_ring, load_shard
 
 log = logging.getLogger("fleet_worker.mlx")
 
@@ -162,14 +163,27 @@ class MlxEngine:
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         kv_memory_bytes: int = 0,
         kv_dir: str = "",
+        pipeline: dict[str, Any] | None = None,
+        ring_timeout_s: float = 300.0,
     ) -> None:
         """kv_memory_bytes > 0 keeps finished prompt blocks in memory for reuse (tier 1); kv_dir is the
-        local folder blocks fetched from object storage arrive in and new blocks are written to."""
+        local folder blocks fetched from object storage arrive in and new blocks are written to.
+        pipeline (a PipelineSpec's fields) makes this engine one rank of a pipeline-parallel model:
+        it loads only its layers and joins the other ranks' ring within ring_timeout_s."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             # mlx_lm.load would take a missing folder for a Hugging Face repo id and go online.
             raise FileNotFoundError(f"no model folder with a config.json at {model_dir}")
-        self.model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
+        self._stream = mx.new_thread_local_stream(mx.default_device())
+        # One rank of a pipeline: the other ranks run this same engine in lock-step (mlx_pipeline).
+        self.lockstep: Ring | None = None
+        if pipeline is None:
+            self.model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
+        else:
+            spec = msgspec.convert(pipeline, PipelineSpec)
+            self.model, tokenizer, config = load_shard(model_dir, spec)
+            self.lockstep = join_ring(spec, self._stream, ring_timeout_s)
+            connect_layers(self.model, spec, self.lockstep)
         if on_load_progress is not None:  # mlx_lm.load is one call: all layers arrive at once
             on_load_progress(len(self.model.layers), len(self.model.layers))
         text_config = config.get("text_config") or {}
@@ -179,12 +193,12 @@ class MlxEngine:
         self.prefill_step_size = prefill_step_size
         self._dtype = activation_dtype(self.model)
         self._prefixes: MlxPrefixStore | None = None
-        if kv_fingerprint and (kv_memory_bytes or kv_dir):
+        # A rank's KV holds only its layers: prefix reuse and handoffs would need every rank's blocks.
+        if kv_fingerprint and (kv_memory_bytes or kv_dir) and self.lockstep is None:
             folder = KVFolder(kv_dir) if kv_dir else None
             self._prefixes = MlxPrefixStore(
                 self.model, kv_fingerprint, kv_block_size, kv_memory_bytes, folder
             )
-        self._stream = mx.new_thread_local_stream(mx.default_device())
         self._eos_stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
         self._next_uid = 0
         self._steps = 0
@@ -198,6 +212,9 @@ class MlxEngine:
         self._export_queue: deque[EngineRequest] = deque()
         self._export: Export | None = None
         self._handoff_problem = movable_problem(make_prompt_cache(self.model))
+        if self.lockstep is not None:
+            self._handoff_problem = "a pipeline rank holds only its own layers' KV"
+        self._greedy = self._shared(greedy_sampler)  # one object: greedy rows share one batched call
 
     def add(self, request: EngineRequest) -> None:
         problem = request_problem(request, self.vocab_size)
@@ -227,11 +244,22 @@ class MlxEngine:
                 repetition_penalty=params.repetition_penalty,
                 repetition_context_size=len(request.prompt_token_ids) + params.max_tokens,
             )
-        sampler = make_seeded_sampler(params, self.vocab_size)
+        sampler = (
+            self._greedy
+            if params.temperature == 0
+            else self._shared(make_seeded_sampler(params, self.vocab_size))
+        )
         sequence = _Sequence(request, self._next_uid, sampler, processors, stop, fallback=fallback)
         self._next_uid += 1
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
+
+    def _shared(self, sampler: Sampler) -> Sampler:
+        """In a pipeline every rank samples, and all take rank 0's tokens."""
+        ring = self.lockstep
+        if ring is None:
+            return sampler
+        return lambda logprobs: ring.share_tokens(sampler(logprobs))
 
     def _handoff_request_problem(self, request: EngineRequest) -> str:
         spec = request.export or request.kv_import
@@ -312,6 +340,8 @@ class MlxEngine:
         try:
             responses = self._batch.next()
         except Exception as error:
+            if self.lockstep is not None:  # the other ranks are inside the same step: all must stop
+                raise
             # The batch's rows share one forward pass: no telling which request broke it.
             failed, self._batch = list(self._running.values()), None
             for sequence in failed:
@@ -338,6 +368,8 @@ class MlxEngine:
             batch = self._prefill(group)
             responses = batch.next()  # evaluates the first tokens (and queues the second ones)
         except Exception as error:
+            if self.lockstep is not None:
+                raise
             if len(group) > 1:  # run them one by one so only the request at fault fails
                 return [output for sequence in group for output in self._admit([sequence])]
             self._finish(group[0])
@@ -468,7 +500,7 @@ class MlxEngine:
             tokens=history,
             prefill_step_size=self.prefill_step_size,
             samplers=[s.sampler for s in group],
-            fallback_sampler=greedy_sampler,
+            fallback_sampler=self._greedy,
             logits_processors=[s.processors for s in group],
             stop_sequences=[s.stop for s in group],
             max_tokens=[s.request.sampling.max_tokens for s in group],

@@ -1,0 +1,209 @@
+"""One rank of a pipeline-parallel MLX model: layers [start, end) on this process, the other ranks
+in other processes (other machines), joined by mx.distributed's ring backend over TCP.
+
+Every rank runs the same MlxEngine on the same requests in the same order (lock-step): rank 0 takes
+the worker's commands and shares them with the others before each step (`Ring.share_bytes`), so the
+ranks' batches have the same rows and shapes and their collective operations pair up. The forward
+pass of a rank runs its layers only: the first of them receives the hidden state from the previous
+rank, the last sends it on; the last rank's output is gathered to every rank, which applies the
+final norm and head itself (as mlx-lm's own pipelined models do). Sampled tokens are rank 0's,
+shared with the others, so ranks on unlike hardware (float rounding of the head) never diverge.
+
+Unlike mlx-lm's PipelineMixin (rank 0 holds the last layers), rank 0 here holds the first layers:
+Fleet's shards list ranks in layer order. Layers are wrapped, not re-implemented, so any model
+whose forward is "embed, each layer, norm, head" works; those known to be are in SUPPORTED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import msgspec
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model, load_tokenizer
+
+from fleet_store.layers import read_safetensors_header, tensor_layer
+
+# model_type -> how its inner model marks which cache a layer's attention mask comes from
+SUPPORTED = frozenset({"llama", "qwen3"})
+JOIN_RETRY_S = 1.0
+
+
+class PipelineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """This process's place in the pipeline: its rank, every rank's ring address (host:port, rank
+    order; each rank listens on its own), and its layers [start_layer, end_layer)."""
+
+    rank: int
+    addresses: tuple[str, ...]
+    start_layer: int
+    end_layer: int
+
+    @property
+    def size(self) -> int:
+        return len(self.addresses)
+
+
+class PipelineError(RuntimeError):
+    pass
+
+
+class Ring:
+    """The ring group of one pipeline, with the two things ranks share besides activations."""
+
+    def __init__(self, group: mx.distributed.Group, stream: mx.Stream) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.stream = stream
+
+    def share_bytes(self, payload: bytes) -> bytes:
+        """Rank 0's payload on every rank (the others pass b""): a length, then the bytes, summed
+        with zeros from every other rank. Blocks until rank 0 calls it."""
+        with mx.stream(self.stream):
+            length = mx.array([len(payload) if self.rank == 0 else 0], dtype=mx.int32)
+            n = int(mx.distributed.all_sum(length, group=self.group).item())
+            if n == 0:
+                return b""
+            if self.rank == 0:
+                data = mx.array(np.frombuffer(payload, dtype=np.uint8))
+            else:
+                data = mx.zeros((n,), dtype=mx.uint8)
+            shared = mx.distributed.all_sum(data, group=self.group)
+            mx.eval(shared)
+            return bytes(np.array(shared, copy=False))
+
+    def share_tokens(self, tokens: mx.array) -> mx.array:
+        """Rank 0's sampled tokens on every rank (lazy: part of the step's graph)."""
+        mine = tokens.astype(mx.int32) if self.rank == 0 else mx.zeros(tokens.shape, dtype=mx.int32)
+        return mx.distributed.all_sum(mine, group=self.group).astype(tokens.dtype)
+
+
+def join_ring(spec: PipelineSpec, stream: mx.Stream, timeout_s: float) -> Ring:
+    """Connect to the other ranks; they may start minutes apart (each fetches its own files), and
+    MLX gives up connecting after about 30 s, so joining is retried until timeout_s."""
+    if not 0 <= spec.rank < spec.size or spec.size < 2:
+        raise PipelineError(f"rank {spec.rank} of {spec.size} is not a pipeline rank")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fleet-ring-", delete=False) as file:
+        json.dump([[address] for address in spec.addresses], file)
+    os.environ["MLX_RANK"] = str(spec.rank)
+    os.environ["MLX_HOSTFILE"] = file.name
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                group = mx.distributed.init(backend="ring", strict=True)
+                break
+            except RuntimeError as error:
+                if time.monotonic() >= deadline:
+                    where = ", ".join(spec.addresses)
+                    raise PipelineError(f"could not join the pipeline ring {where}: {error}") from None
+                time.sleep(JOIN_RETRY_S)
+    finally:
+        os.unlink(file.name)
+    if group.size() != spec.size or group.rank() != spec.rank:
+        raise PipelineError(f"joined as rank {group.rank()} of {group.size()}, expected {spec.rank}")
+    return Ring(group, stream)
+
+
+class _ReceiveFirst(nn.Module):
+    """The first local layer: its input is the previous rank's output."""
+
+    def __init__(self, layer: nn.Module, ring: Ring) -> None:
+        super().__init__()
+        self.layer = layer
+        self._ring = ring
+        if hasattr(layer, "use_sliding"):  # llama's forward picks each layer's mask by it
+            self.use_sliding = layer.use_sliding
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        x = mx.distributed.recv_like(x, self._ring.rank - 1, group=self._ring.group)
+        return self.layer(x, mask, cache)
+
+
+class _SendLast(nn.Module):
+    """The last local layer: sends its output on, then every rank gets the last rank's output.
+
+    The result is tied into the layer's cache too: a prefill chunk evaluates only the caches, and
+    the ranks' collectives must run all the same."""
+
+    def __init__(self, layer: nn.Module, ring: Ring) -> None:
+        super().__init__()
+        self.layer = layer
+        self._ring = ring
+        if hasattr(layer, "use_sliding"):  # llama's forward picks each layer's mask by it
+            self.use_sliding = layer.use_sliding
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        ring = self._ring
+        x = self.layer(x, mask, cache)
+        if ring.rank < ring.size - 1:
+            x = mx.distributed.send(x, ring.rank + 1, group=ring.group)
+        rows = x.shape[0]
+        x = mx.distributed.all_gather(x, group=ring.group)[(ring.size - 1) * rows :]
+        if cache is not None and getattr(cache, "keys", None) is not None:
+            cache.keys = mx.depends(cache.keys, x)
+        return x
+
+
+def keep_layers(model: nn.Module, spec: PipelineSpec) -> None:
+    """Drop every layer outside [start, end) from the model."""
+    inner = model.model
+    layers = list(inner.layers)
+    if not 0 <= spec.start_layer < spec.end_layer <= len(layers):
+        raise PipelineError(f"layers [{spec.start_layer}, {spec.end_layer}) of a {len(layers)}-layer model")
+    inner.layers = layers[spec.start_layer : spec.end_layer]
+    if hasattr(inner, "fa_idx"):  # llama: the masks come from the first full / sliding layer's cache
+        sliding = [getattr(layer, "use_sliding", False) for layer in inner.layers]
+        inner.fa_idx = sliding.index(False) if False in sliding else 0
+        inner.swa_idx = sliding.index(True) if True in sliding else None
+
+
+def connect_layers(model: nn.Module, spec: PipelineSpec, ring: Ring) -> None:
+    """Wrap the first and last local layer so activations flow from rank to rank."""
+    local = list(model.model.layers)
+    if spec.rank > 0:
+        local[0] = _ReceiveFirst(local[0], ring)
+    local[-1] = _SendLast(local[-1], ring)
+    model.model.layers = local
+
+
+def missing_weights(model: nn.Module, model_dir: Path, spec: PipelineSpec) -> list[str]:
+    """Parameters of this rank (its layers' and the non-layer ones) that no weight file names: a
+    load without strict checks (the other ranks' layers are absent on purpose) must not leave any
+    of ours at random values. Names come from the safetensors headers (llama and qwen3 files use
+    the model's own names)."""
+    present: set[str] = set()
+    for path in sorted(Path(model_dir).glob("model*.safetensors")):
+        present.update(k for k in read_safetensors_header(path) if k != "__metadata__")
+    names = [name for name, _ in tree_flatten(model.parameters())]
+    names = [
+        n for n in names if tensor_layer(n) is None or spec.start_layer <= tensor_layer(n) < spec.end_layer
+    ]
+    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+    return [n for n in names if n not in present and not (tied and n.startswith("lm_head."))]
+
+
+def load_shard(model_dir: Path, spec: PipelineSpec) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """The model with only this rank's layers loaded (the folder may hold only their weight files,
+    plus embeddings and head), its tokenizer and config; `connect_layers` joins it to the ring."""
+    model, config = load_model(model_dir, lazy=True, strict=False)
+    model_type = config.get("model_type", "")
+    if model_type not in SUPPORTED:
+        raise PipelineError(
+            f"pipeline parallel is not supported for model_type {model_type!r} "
+            f"(supported: {', '.join(sorted(SUPPORTED))})"
+        )
+    if missing := missing_weights(model, model_dir, spec):
+        raise PipelineError(f"the shard's files lack {len(missing)} weights of its layers, e.g. {missing[0]}")
+    keep_layers(model, spec)
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer, config
