@@ -1,0 +1,109 @@
+"""Pipeline-parallel MLX engines: two engine processes, one layer each of a tiny random llama, joined
+by mx.distributed's ring on loopback, give the tokens of the whole model in one process, batched,
+and stay in step through a cancel. The shard loader refuses a folder that lacks its weights."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from mlx_lm.utils import load_model
+
+from fleet_local.processes import free_port
+from fleet_proto import SamplingParams
+from fleet_worker.engine_process import EngineLoadError, EngineProcess
+from fleet_worker.engines.base import EngineOutput, EngineRequest
+from fleet_worker.engines.mlx_pipeline import PipelineSpec, keep_layers, missing_weights
+
+from .tiny_model import LAYERS, make_tiny_llama
+
+PROMPTS = [(1, 5, 9, 13, 2, 7), (3, 4, 8), (11, 12, 13, 14, 15, 16, 17, 18)]
+
+
+def spec(rank: int, addresses: list[str]) -> dict:
+    return {"rank": rank, "addresses": addresses, "start_layer": rank, "end_layer": rank + 1}
+
+
+async def collect(engine: EngineProcess, requests: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
+    outputs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.submit(request)
+    async with asyncio.timeout(120):
+        async for output in engine.outputs():
+            outputs[output.request_id].append(output)
+            if all(o and o[-1].finish_reason for o in outputs.values()):
+                return outputs
+    raise AssertionError("the engine stopped")
+
+
+def tokens(outputs: list[EngineOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def greedy(tag: str, max_tokens: int = 10) -> list[EngineRequest]:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [
+        EngineRequest(request_id=f"{tag}{i}", prompt_token_ids=p, sampling=sampling)
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_two_ranks_decode_like_one_process_and_stay_in_step(tmp_path: Path, window: int) -> None:
+    folder = make_tiny_llama(tmp_path / "tiny", seed=5, sliding_window=window)
+    assert LAYERS == 2
+    asyncio.run(compare(folder))
+
+
+async def compare(folder: Path) -> None:
+    single = await EngineProcess.start("mlx", folder, {})
+    try:
+        expected = await collect(single, greedy("s"))
+    finally:
+        await single.stop()
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    ranks = await asyncio.gather(
+        *(EngineProcess.start("mlx", folder, {"pipeline": spec(r, addresses)}) for r in range(2))
+    )
+    try:
+        got = await collect(ranks[0], greedy("p"))
+        assert [tokens(got[f"p{i}"]) for i in range(3)] == [tokens(expected[f"s{i}"]) for i in range(3)]
+        # a cancel reaches both ranks: the next batch still decodes alike
+        long = EngineRequest(
+            request_id="long", prompt_token_ids=PROMPTS[0], sampling=SamplingParams(max_tokens=2000)
+        )
+        ranks[0].submit(long)
+        async for output in ranks[0].outputs():
+            if output.request_id == "long" and output.token_ids:
+                ranks[0].cancel("long")
+            if output.finish_reason:
+                assert output.finish_reason == "cancelled"
+                break
+        again = await collect(ranks[0], greedy("q"))
+        assert [tokens(again[f"q{i}"]) for i in range(3)] == [tokens(expected[f"s{i}"]) for i in range(3)]
+    finally:
+        await ranks[0].stop()
+        await ranks[1].stop()
+    assert not ranks[1].alive
+
+
+def test_a_shard_lacking_its_weights_is_refused(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path / "tiny", seed=1)
+    model, _ = load_model(folder, lazy=True, strict=False)
+    both = PipelineSpec(rank=1, addresses=("a:1", "b:2"), start_layer=1, end_layer=2)
+    assert missing_weights(model, folder, both) == []
+    (folder / "model.safetensors").rename(folder / "other.safetensors")  # not a model*.safetensors file
+    missing = missing_weights(model, folder, both)
+    assert "model.layers.1.self_attn.q_proj.weight" in missing
+    assert not any(n.startswith("model.layers.0.") for n in missing)  # rank 0's layer is not ours
+    keep_layers(model, both)
+    assert len(model.model.layers) == 1
+
+
+def test_an_unreachable_ring_fails_the_load_with_its_addresses(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path / "tiny", seed=1)
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    options = {"pipeline": spec(1, addresses), "ring_timeout_s": 1.0}
+    with pytest.raises(EngineLoadError, match="could not join the pipeline ring"):
+        asyncio.run(EngineProcess.start("mlx", folder, options))
