@@ -113,8 +113,8 @@ def join_ring(spec: PipelineSpec, stream: mx.Stream, timeout_s: float) -> Ring:
     return Ring(group, stream)
 
 
-class _ReceiveFirst(nn.Module):
-    """The first local layer: its input is the previous rank's output."""
+class _RingLayer(nn.Module):
+    """A local layer at the edge of the rank: it exchanges activations with the next ranks."""
 
     def __init__(self, layer: nn.Module, ring: Ring) -> None:
         super().__init__()
@@ -122,24 +122,21 @@ class _ReceiveFirst(nn.Module):
         self._ring = ring
         if hasattr(layer, "use_sliding"):  # llama's forward picks each layer's mask by it
             self.use_sliding = layer.use_sliding
+
+
+class _ReceiveFirst(_RingLayer):
+    """The first local layer: its input is the previous rank's output."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         x = mx.distributed.recv_like(x, self._ring.rank - 1, group=self._ring.group)
         return self.layer(x, mask, cache)
 
 
-class _SendLast(nn.Module):
+class _SendLast(_RingLayer):
     """The last local layer: sends its output on, then every rank gets the last rank's output.
 
     The result is tied into the layer's cache too: a prefill chunk evaluates only the caches, and
     the ranks' collectives must run all the same."""
-
-    def __init__(self, layer: nn.Module, ring: Ring) -> None:
-        super().__init__()
-        self.layer = layer
-        self._ring = ring
-        if hasattr(layer, "use_sliding"):  # llama's forward picks each layer's mask by it
-            self.use_sliding = layer.use_sliding
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         ring = self._ring
