@@ -15,7 +15,7 @@ from fleet_proto import (
     Shard,
     replay,
 )
-from fleet_scheduler.liveness import failover_events, runs_on, timed_out_nodes
+from fleet_scheduler.liveness import failover_events, timed_out_nodes
 
 
 def node(node_id: str) -> NodeJoined:
@@ -105,4 +105,4 @@ def test_a_pipeline_fails_over_when_any_node_holding_a_shard_is_lost():
     events = failover_events(state, "b", "gone", lambda s, i: moved if i.instance_id == "p1" else i)
     assert InstanceFailed(instance_id="p1", reason="node b: gone", generation=2) in events
     assert InstancePlaced(instance=moved) in events
-    assert runs_on(pipeline, "b") and runs_on(pipeline, "a") and not runs_on(pipeline, "c")
+    assert pipeline.runs_on("b") and pipeline.runs_on("a") and not pipeline.runs_on("c")

@@ -120,6 +120,10 @@ class Instance(Frozen):
         """Split by layers across nodes: one engine process per shard, connected in a ring."""
         return len(self.shards) > 1
 
+    def runs_on(self, node_id: str) -> bool:
+        """Whether any of its ranks is on the node (a pipeline has one per shard)."""
+        return self.node_id == node_id or any(s.node_id == node_id for s in self.shards)
+
 
 class DownloadPhase(StrEnum):
     DOWNLOADING = "downloading"

@@ -127,10 +127,6 @@ def shard_rank(instance: Instance, node_id: str) -> int | None:
     return next((rank for rank, s in enumerate(instance.shards) if s.node_id == node_id), None)
 
 
-def runs_here(instance: Instance, node_id: str) -> bool:
-    return instance.node_id == node_id or shard_rank(instance, node_id) is not None
-
-
 def pipeline_options(instance: Instance, rank: int) -> dict[str, Any]:
     """The MLX engine's `pipeline` option of one rank: where every rank listens, and its layers."""
     shard = instance.shards[rank]
@@ -235,6 +231,7 @@ class InstanceManager:
         self._pinned: set[str] = set()  # instances holding a pin on their model in the cache
         self._running: dict[str, RunningInstance] = {}
         self._loading: dict[str, asyncio.Task[None]] = {}
+        self._generations: dict[str, int] = {}  # loading or running instance -> its placement generation
         self._restart_policy = RestartPolicy()
         self._restarts: dict[str, list[float]] = {}  # instance -> when its engine was restarted
         # Instances reported failed (their engine crashed) that this worker is loading again.
@@ -254,22 +251,20 @@ class InstanceManager:
         return {
             i.instance_id: i
             for i in state.instances.values()
-            if runs_here(i, self._node_id)
+            if i.runs_on(self._node_id)
             and (i.status != InstanceStatus.FAILED or i.instance_id in self._restarting)
         }
 
     async def reconcile(self, state: State) -> None:
         wanted = self.wanted(state)
-        for instance_id, running in list(self._running.items()):
+        for instance_id, generation in list(self._generations.items()):
             again = wanted.get(instance_id)
-            if again is not None and again.generation != running.instance.generation:
+            if again is not None and again.generation != generation:
                 await self._unload(instance_id)  # placed anew (a rank failed): every rank restarts
         for instance_id, instance in wanted.items():
             idle = instance_id not in self._running and instance_id not in self._loading
             if idle and instance.status != InstanceStatus.DRAINING:  # a drained one is not reloaded
-                self._loading[instance_id] = asyncio.create_task(
-                    self._load(instance), name=f"load-{instance_id}"
-                )
+                self._start_loading(instance)
         for instance_id in list(self._running.keys() | self._loading.keys()):
             if instance_id not in wanted:  # deleted, failed, or moved to another node
                 await self._unload(instance_id)
@@ -278,6 +273,11 @@ class InstanceManager:
             draining = wanted[instance_id].status == InstanceStatus.DRAINING and running.rank == 0
             if draining and running.draining is None:
                 running.draining = asyncio.create_task(self._drain(running), name=f"drain-{instance_id}")
+
+    def _start_loading(self, instance: Instance) -> None:
+        iid = instance.instance_id
+        self._generations[iid] = instance.generation
+        self._loading[iid] = asyncio.create_task(self._load(instance), name=f"load-{iid}")
 
     async def _publish(self, event) -> None:
         await self._ctx.bus.publish_event(event)
@@ -288,7 +288,7 @@ class InstanceManager:
         rank), the others report only their failures."""
         ctx, iid = self._ctx, instance.instance_id
         engine: EngineProcess | None = None
-        rank = (shard_rank(instance, self._node_id) or 0) if instance.is_pipeline else 0
+        rank = shard_rank(instance, self._node_id) or 0
         try:
             if rank == 0:
                 await self._status(iid, InstanceStatus.DOWNLOADING, 0.0)
@@ -434,6 +434,7 @@ class InstanceManager:
             self._cache.unpin(instance.model_id, DEFAULT_REVISION)
 
     async def _unload(self, instance_id: str) -> None:
+        self._generations.pop(instance_id, None)
         loading = self._loading.pop(instance_id, None)
         if loading is not None:
             loading.cancel()
@@ -516,7 +517,7 @@ class InstanceManager:
         log.error("instance %s: %s", iid, reason)
         await self._publish(InstanceFailed(instance_id=iid, reason=reason, origin=self._ctx.service_id))
         if restart and iid not in self._loading:
-            self._loading[iid] = asyncio.create_task(self._load(instance), name=f"load-{iid}")
+            self._start_loading(instance)
 
     def _export_output(self, running: RunningInstance, output: EngineOutput) -> None:
         if not output.finish_reason:

@@ -29,11 +29,6 @@ def timed_out_nodes(state: State, last_seen: Mapping[str, float], now: float, ti
     return sorted(n for n in state.nodes if now - last_seen.get(n, now) >= timeout_s)
 
 
-def runs_on(instance: Instance, node_id: str) -> bool:
-    """Whether any of the instance's ranks is on the node (a pipeline has one per shard)."""
-    return instance.node_id == node_id or any(s.node_id == node_id for s in instance.shards)
-
-
 def failover_events(
     state: State,
     node_id: str,
@@ -45,7 +40,7 @@ def failover_events(
     events: list[EventBase] = [NodeLeft(node_id=node_id, reason=reason)]
     remaining = msgspec.structs.replace(state, nodes={k: v for k, v in state.nodes.items() if k != node_id})
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
-        if not runs_on(instance, node_id) or instance.status == InstanceStatus.FAILED:
+        if not instance.runs_on(node_id) or instance.status == InstanceStatus.FAILED:
             continue
         if instance.status == InstanceStatus.DRAINING:  # it was being deleted anyway
             events.append(InstanceDeleted(instance_id=instance.instance_id))
