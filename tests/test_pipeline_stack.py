@@ -2,14 +2,16 @@
 engine-workers (separate processes, their engine children joined by MLX's ring over loopback).
 
 The pipeline's greedy tokens equal the single-worker instance's, for one request and for two at
-once (batched through both ranks). Killing rank 1's engine process fails the instance with a reason
-that names the rank; the scheduler places it again (generation 1, new ring ports) and it serves the
-same tokens.
+once (batched through both ranks); a streamed request shows the prompt's prefill progress (rank 0
+reports it: the ranks prefill in step, chunk by chunk). Killing rank 1's engine process fails the
+instance with a reason that names the rank; the scheduler places it again (generation 1, new ring
+ports) and it serves the same tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -31,6 +33,9 @@ from tests.support import call, embedded_stack, engine_children, until_state, wo
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow."]
 MAX_TOKENS = 12
+# Prefill in chunks of 8 tokens: every chat prompt here reports its progress a few times.
+ENGINE_OPTIONS = json.dumps({"mlx": {"prefill_step_size": 8}})
+PROGRESS = ": prefill_progress "
 
 
 class Cluster:
@@ -49,19 +54,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "FLEET_NODE_ENGINES": "mlx",
         "FLEET_RING_HOST": "127.0.0.1",
         "FLEET_RING_PORT_BASE": str(free_port()),
+        "FLEET_ENGINE_OPTIONS": ENGINE_OPTIONS,
     }
     with embedded_stack(root / "state", env=env) as manifest:
+        w2_env = worker_env(
+            manifest,
+            "w2",
+            root / "w2",
+            node_engines="mlx",
+            ring_host="127.0.0.1",
+            ring_port_base=str(free_port()),
+        )
         w2 = spawn(
             [sys.executable, "-m", "fleet_worker"],
             root / "w2.log",
-            worker_env(
-                manifest,
-                "w2",
-                root / "w2",
-                node_engines="mlx",
-                ring_host="127.0.0.1",
-                ring_port_base=str(free_port()),
-            ),
+            {**w2_env, "FLEET_ENGINE_OPTIONS": ENGINE_OPTIONS},
         )
         try:
             asyncio.run(stage(manifest.gateway_url))
@@ -121,6 +128,27 @@ async def answers(session: aiohttp.ClientSession, gateway: str) -> list[list[int
     return list(await asyncio.gather(*(ask(q) for q in QUESTIONS)))
 
 
+async def streamed_progress(session: aiohttp.ClientSession, gateway: str) -> tuple[list[dict], int]:
+    """The prefill progress comments of one streamed chat, and its prompt's token count (usage)."""
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    progress, usage = [], {}
+    async with session.post(f"{gateway}/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith(PROGRESS):
+                progress.append(json.loads(line[len(PROGRESS) :]))
+            elif line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    return progress, usage["prompt_tokens"]
+
+
 def halves(first: str, second: str) -> list[dict]:
     return [
         {"node_id": first, "start_layer": 0, "end_layer": 15},
@@ -146,6 +174,10 @@ async def scenario(cluster: Cluster) -> None:
         assert len({s["ring_address"] for s in shards}) == 2
         assert await answers(session, gateway) == expected
         assert all(expected) and max(map(len, expected)) > 3
+        progress, prompt_tokens = await streamed_progress(session, gateway)
+        done = [p["processed_tokens"] for p in progress]
+        assert done == list(range(8, prompt_tokens - 1, 8)), (done, prompt_tokens)
+        assert {p["total_tokens"] for p in progress} == {prompt_tokens}
 
         failures: list[InstanceFailed] = []
 

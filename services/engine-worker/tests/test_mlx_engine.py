@@ -130,6 +130,23 @@ def test_eight_concurrent_requests_each_equal_their_single_run(
     }
 
 
+def test_long_prompts_report_prefill_progress_per_chunk(model_dir: Path, reference: tuple[object, object]):
+    progress: list[EngineOutput] = []
+    engine = MlxEngine(model_dir, prefill_step_size=16, on_prefill_progress=progress.append)
+    long, short = PROMPTS[6], PROMPTS[0]  # 90 and 5 tokens, prefilled together
+    try:
+        tokens, _ = run(engine, [request("long", long), request("short", short)])
+    finally:
+        engine.close()
+    assert tokens == {"long": reference_greedy(reference, long), "short": reference_greedy(reference, short)}
+    # 89 tokens fill the cache (the last one is sampled from): after each of the first five chunks of 16
+    # the prompt is unfinished; the short prompt ends inside its first chunk and reports nothing.
+    assert [(p.request_id, p.prefilled_tokens, p.prompt_tokens) for p in progress] == [
+        ("long", n, 90) for n in (16, 32, 48, 64, 80)
+    ]
+    assert all(not p.token_ids and not p.finish_reason for p in progress)
+
+
 def test_every_running_request_advances_one_token_per_step(engine: MlxEngine):
     for i in range(3):
         engine.add(request(f"s{i}", PROMPTS[i], greedy(5)))

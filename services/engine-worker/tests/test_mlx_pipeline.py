@@ -21,6 +21,10 @@ from .tiny_model import LAYERS, make_tiny_llama
 PROMPTS = [(1, 5, 9, 13, 2, 7), (3, 4, 8), (11, 12, 13, 14, 15, 16, 17, 18)]
 
 
+# Chunks of 4 prompt tokens: the 6- and 8-token prompts report prefill progress once.
+CHUNKED = {"prefill_step_size": 4}
+
+
 def spec(rank: int, addresses: list[str]) -> dict:
     return {"rank": rank, "addresses": addresses, "start_layer": rank, "end_layer": rank + 1}
 
@@ -41,6 +45,16 @@ def tokens(outputs: list[EngineOutput]) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 
 
+def progress(outputs: dict[str, list[EngineOutput]]) -> list[tuple[int, int, int]]:
+    """(prompt index, prefilled, prompt tokens) of every prefill progress output."""
+    return [
+        (int(request_id[1:]), o.prefilled_tokens, o.prompt_tokens)
+        for request_id, outs in sorted(outputs.items())
+        for o in outs
+        if o.prefilled_tokens
+    ]
+
+
 def greedy(tag: str, max_tokens: int = 10) -> list[EngineRequest]:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return [
@@ -57,18 +71,19 @@ def test_two_ranks_decode_like_one_process_and_stay_in_step(tmp_path: Path, wind
 
 
 async def compare(folder: Path) -> None:
-    single = await EngineProcess.start("mlx", folder, {})
+    single = await EngineProcess.start("mlx", folder, CHUNKED)
     try:
         expected = await collect(single, greedy("s"))
     finally:
         await single.stop()
     addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     ranks = await asyncio.gather(
-        *(EngineProcess.start("mlx", folder, {"pipeline": spec(r, addresses)}) for r in range(2))
+        *(EngineProcess.start("mlx", folder, {**CHUNKED, "pipeline": spec(r, addresses)}) for r in range(2))
     )
     try:
         got = await collect(ranks[0], greedy("p"))
         assert [tokens(got[f"p{i}"]) for i in range(3)] == [tokens(expected[f"s{i}"]) for i in range(3)]
+        assert progress(got) == progress(expected) == [(0, 4, 6), (2, 4, 8)]  # from rank 0 alone
         # a cancel reaches both ranks: the next batch still decodes alike
         long = EngineRequest(
             request_id="long", prompt_token_ids=PROMPTS[0], sampling=SamplingParams(max_tokens=2000)

@@ -30,11 +30,12 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from fleet_gateway.anthropic_api import MessageEvents, message_body
 from fleet_gateway.completions_api import TextChunks
-from fleet_gateway.frames import NDJSON, SSE, Failed, Finished, StreamFormat
+from fleet_gateway.frames import NDJSON, SSE, Failed, Finished, Progress, StreamFormat
 from fleet_gateway.ollama_api import ChatLines
 from fleet_gateway.openai_api import ChatChunks, completion_response, tool_call_items
 from fleet_gateway.parsing.output import Delta, ToolCall
 from fleet_gateway.responses_api import ResponseEvents, parse_responses_request, response_body, skeleton
+from fleet_gateway.streaming import event_frames
 
 MODEL = "fleet-test-model"
 CREATED = 1_700_000_000
@@ -52,14 +53,17 @@ WHOLE_RUN = Delta(reasoning="let me think more", content="Hello there", tool_cal
 USER_TURN = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+# A long prompt's run: prefill progress first, then the same deltas.
+PREFILLING = [Progress(512, 1500), Progress(1024, 1500)]
+
+
 def recorded_body(
-    fmt: StreamFormat, events: list[Delta] = RUN, end: Finished | Failed = TOOL_FINISH
+    fmt: StreamFormat, events: list[Delta | Progress] = RUN, end: Finished | Failed = TOOL_FINISH
 ) -> bytes:
     """The bytes the gateway writes for one run: the formatter's frames, in order."""
     frames = fmt.start()
-    for event in events:
-        frames += fmt.delta(event)
-    frames += fmt.fail(end.message) if isinstance(end, Failed) else fmt.finish(end)
+    for event in [*events, end]:
+        frames += event_frames(fmt, event)
     return b"".join(frames)
 
 
@@ -133,6 +137,24 @@ def test_chat_stream_chunks_carry_content_reasoning_and_the_tool_call():
     assert chunks[-1].choices == []
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (12, 7, 19)
+
+
+def test_prefill_progress_is_an_sse_comment_every_sdk_skips():
+    body = recorded_body(chat_chunks(), [*PREFILLING, *RUN])
+    assert b': prefill_progress {"processed_tokens":512,"total_tokens":1500}\n\n' in body
+    client = openai_client(body)
+    with_progress = list(client.chat.completions.create(model=MODEL, messages=USER_TURN, stream=True))
+    plain = list(
+        openai_client(recorded_body(chat_chunks())).chat.completions.create(
+            model=MODEL, messages=USER_TURN, stream=True
+        )
+    )
+    assert [c.model_dump() for c in with_progress] == [c.model_dump() for c in plain]
+    messages = anthropic_client(recorded_body(message_events(), [*PREFILLING, *RUN]))
+    with messages.messages.stream(model=MODEL, max_tokens=64, messages=USER_TURN) as stream:
+        assert_thinking_text_and_tool_use(stream.get_final_message().content)
+    ndjson = ChatLines(MODEL, CREATED, 100.0)
+    assert recorded_body(ndjson, [*PREFILLING, *RUN]) == recorded_body(ndjson)  # Ollama: no frame
 
 
 def test_chat_stream_numbers_several_tool_calls_in_order():

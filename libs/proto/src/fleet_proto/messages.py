@@ -108,6 +108,9 @@ class GenerationOutput(Frozen):
     decode_time_s: float = 0.0
     # Prompt tokens whose KV came from a cache (the engine's prefix cache or Fleet's KV tiers).
     prefix_cached_tokens: int = 0
+    # Prompt tokens in the KV cache so far, on a prefill progress output (no tokens, no finish_reason)
+    # that an engine sends while a long prompt prefills; 0 on every other output.
+    prefilled_tokens: int = 0
     handoff: HandoffStats | None = None  # disaggregated requests, in the last output
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the sampling params ask
 

@@ -105,8 +105,13 @@ def run_child(conn: Connection, engine_name: str, model_dir: str, options: dict[
     def report(done: int, total: int) -> None:
         conn.send_bytes(encoder.encode(LoadProgressed(layers_loaded=done, layers_total=total)))
 
+    def progress(output: EngineOutput) -> None:  # from inside a step: sent at once, not with its outputs
+        conn.send_bytes(encoder.encode(Outputs(outputs=[output])))
+
     try:
-        engine = load_engine(engine_name, Path(model_dir), on_load_progress=report, **options)
+        engine = load_engine(
+            engine_name, Path(model_dir), on_load_progress=report, on_prefill_progress=progress, **options
+        )
     except Exception as error:
         conn.send_bytes(encoder.encode(LoadFailed(reason=_describe(error))))
         return

@@ -38,7 +38,15 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed
+@dataclass(frozen=True)
+class Progress:
+    """A long prompt's prefill so far: prompt tokens in the KV cache, of all the prompt's."""
+
+    prefilled_tokens: int
+    prompt_tokens: int
+
+
+Event = Delta | Progress | Finished | Failed
 
 
 class StreamFormat(Protocol):
@@ -61,6 +69,17 @@ def sse_data(data: object) -> bytes:
 def sse_event(name: str, data: object) -> bytes:
     """A named server-sent event (Anthropic and the Responses API name every event)."""
     return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def sse_comment(name: str, data: object) -> bytes:
+    """`: <name> <json>`: every SSE client skips comment lines, so no client's parser is surprised."""
+    return b": " + name.encode() + b" " + msgspec.json.encode(data) + b"\n\n"
+
+
+def progress_frame(progress: Progress) -> bytes:
+    """Prefill progress on any SSE stream (exo's prefill_progress, as a comment)."""
+    payload = {"processed_tokens": progress.prefilled_tokens, "total_tokens": progress.prompt_tokens}
+    return sse_comment("prefill_progress", payload)
 
 
 def ndjson_line(data: object) -> bytes:

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from fleet_gateway.frames import SSE, StreamFormat
+from fleet_gateway.frames import SSE, Event, Progress, StreamFormat, progress_frame
 from fleet_gateway.turns import Failed, Finished, Run
+
+
+def event_frames(stream_format: StreamFormat, event: Event) -> list[bytes]:
+    """What one of a run's events writes in a stream format."""
+    if isinstance(event, Failed):
+        return stream_format.fail(event.message)
+    if isinstance(event, Finished):
+        return stream_format.finish(event)
+    if isinstance(event, Progress):  # NDJSON clients (Ollama's) parse every line: none for them
+        return [progress_frame(event)] if stream_format.content_type == SSE else []
+    return stream_format.delta(event)
 
 
 async def stream_run(request: web.Request, run: Run, stream_format: StreamFormat) -> web.StreamResponse:
@@ -18,12 +29,7 @@ async def stream_run(request: web.Request, run: Run, stream_format: StreamFormat
     if frames:
         await response.write(b"".join(frames))
     async for event in run.events():
-        if isinstance(event, Failed):
-            frames = stream_format.fail(event.message)
-        elif isinstance(event, Finished):
-            frames = stream_format.finish(event)
-        else:
-            frames = stream_format.delta(event)
+        frames = event_frames(stream_format, event)
         if frames:
             await response.write(b"".join(frames))
     return response

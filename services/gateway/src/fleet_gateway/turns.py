@@ -21,7 +21,7 @@ from fleet_bus import StateFollower, StreamBroken
 from fleet_gateway.aliases import known_models, ready_models, serving_model
 from fleet_gateway.detokenize import IncrementalDetokenizer
 from fleet_gateway.errors import ApiError
-from fleet_gateway.frames import Event, Failed, Finished
+from fleet_gateway.frames import Event, Failed, Finished, Progress
 from fleet_gateway.generation import Generator, NoInstance
 from fleet_gateway.models import ModelCatalog, ModelInfo
 from fleet_gateway.parsing.harmony import HARMONY
@@ -174,6 +174,10 @@ class Run:
                 if chunk.finish_reason == "error":
                     yield Failed(f"generation failed: {chunk.error}")
                     return
+                if chunk.prefilled_tokens and not chunk.token_ids:
+                    yield Progress(chunk.prefilled_tokens, chunk.prompt_tokens)
+                    chunk = await anext(self._chunks, None)
+                    continue
                 if chunk.token_ids and not first_token_at:
                     first_token_at = time.monotonic()
                 last = chunk
@@ -213,7 +217,8 @@ async def collect(run: Run) -> tuple[Delta, Finished]:
             raise ApiError(503, event.message)
         if isinstance(event, Finished):
             return text, event
-        text = text.merge(event)
+        if isinstance(event, Delta):
+            text = text.merge(event)
     raise ApiError(503, "generation ended without a result")
 
 

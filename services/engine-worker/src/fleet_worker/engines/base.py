@@ -13,7 +13,8 @@ one with `kv_import` decodes from such chunks (engines without it refuse the req
 Engines are named in a lazy registry so the worker never imports an engine it does not run; an
 entry also names the environment its engine needs before its module is imported (vLLM reads its
 settings at import). Constructors take the model folder, `on_load_progress(done, total)` (layers
-loaded, for the instance's loading progress) and the engine's own options.
+loaded, for the instance's loading progress) and the engine's own options; an engine that prefills
+a long prompt over many chunks within a step also takes `on_prefill_progress` (PrefillProgress).
 """
 
 from __future__ import annotations
@@ -107,16 +108,21 @@ class Engine(Protocol):
 LoadProgress = Callable[[int, int], None]
 """Called with (layers loaded, total layers) while an engine loads its weights."""
 
+PrefillProgress = Callable[[GenerationOutput], None]
+"""Called inside step() as a long prompt prefills: an output with no tokens, no finish_reason and
+its prefilled_tokens so far (engines whose EngineSpec says prefill_progress take one)."""
+
 
 @dataclass(frozen=True)
 class EngineSpec:
     target: str  # "module:Class", constructed as Class(model_dir, on_load_progress=..., **options)
     # Set in the engine's process before its module is imported (never overriding the operator's).
     environment: Mapping[str, str] = field(default_factory=dict)
+    prefill_progress: bool = False  # the constructor takes on_prefill_progress
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "mlx": EngineSpec("fleet_worker.engines.mlx_engine:MlxEngine"),
+    "mlx": EngineSpec("fleet_worker.engines.mlx_engine:MlxEngine", prefill_progress=True),
     # In-process V1 engine core: no engine-core subprocess to outlive or orphan in the engine child.
     "vllm": EngineSpec(
         "fleet_worker.engines.vllm_engine:VllmEngine", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -138,7 +144,11 @@ def engine_spec(name: str) -> EngineSpec:
 
 
 def load_engine(
-    name: str, model_dir: Path, on_load_progress: LoadProgress | None = None, **options: object
+    name: str,
+    model_dir: Path,
+    on_load_progress: LoadProgress | None = None,
+    on_prefill_progress: PrefillProgress | None = None,
+    **options: object,
 ) -> Engine:
     """Import and construct an engine; meant for the engine's own process (it sets environment)."""
     spec = engine_spec(name)
@@ -146,6 +156,8 @@ def load_engine(
         os.environ.setdefault(key, value)
     module_name, class_name = spec.target.split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
+    if spec.prefill_progress and on_prefill_progress is not None:
+        options["on_prefill_progress"] = on_prefill_progress
     return engine_class(model_dir, on_load_progress=on_load_progress, **options)
 
 

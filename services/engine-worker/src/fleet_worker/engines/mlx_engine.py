@@ -4,7 +4,9 @@ One step(): (1) drop cancelled requests from the running GenerationBatch (their 
 them), (2) decode one token for every running request, (3) admit waiting requests up to
 max_batch_size: prefill them together (PromptProcessingBatch, in prefill_step_size chunks), sample
 their first token in this same step and merge them into the running batch. A long prompt therefore
-holds up the running requests for its whole prefill (no prefill chunking across steps yet).
+holds up the running requests for its whole prefill (no prefill chunking across steps yet); after
+each chunk that leaves a request's prompt unfinished, on_prefill_progress gets an output with no
+tokens and its prefilled_tokens so far (in a pipeline, rank 0's engine alone reports).
 
 Why not mlx-lm's BatchGenerator: it hands a new request its first token two calls after its prefill
 (the last prompt token is fed on the following call, its sample read on the one after), i.e. two
@@ -58,6 +60,7 @@ from fleet_worker.engines.base import (
     EngineRequest,
     KVChanges,
     LoadProgress,
+    PrefillProgress,
     eos_token_ids,
     error_output,
     request_problem,
@@ -165,6 +168,7 @@ class MlxEngine:
         kv_dir: str = "",
         pipeline: dict[str, Any] | None = None,
         ring_timeout_s: float = 300.0,
+        on_prefill_progress: PrefillProgress | None = None,
     ) -> None:
         """kv_memory_bytes > 0 keeps finished prompt blocks in memory for reuse (tier 1); kv_dir is the
         local folder blocks fetched from object storage arrive in and new blocks are written to.
@@ -191,6 +195,9 @@ class MlxEngine:
         self.eos_token_ids = frozenset(set(tokenizer.eos_token_ids) | eos_token_ids(model_dir))
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
+        if self.lockstep is not None and self.lockstep.rank > 0:
+            on_prefill_progress = None  # rank 0 reports for the whole pipeline
+        self._on_prefill_progress = on_prefill_progress
         self._dtype = activation_dtype(self.model)
         self._prefixes: MlxPrefixStore | None = None
         # A rank's KV holds only its layers: prefix reuse and handoffs would need every rank's blocks.
@@ -506,14 +513,34 @@ class MlxEngine:
             max_tokens=[s.request.sampling.max_tokens for s in group],
         )
         # All prompt tokens but the last fill the cache; the last one's logits give the first token.
-        if any(len(r) > 1 for r in rest):
-            prompts.prompt([r[:-1] for r in rest])
+        self._fill(prompts, group, [r[:-1] for r in rest])
         if self._prefixes is not None:
             for i, sequence in enumerate(group):
                 prompt = sequence.request.prompt_token_ids
                 if self._prefixes.has_new_blocks(prompt):  # extracting copies the sequence's whole KV
                     self._prefixes.store(prompts.extract_cache(i), prompt)
         return prompts.generate([r[-1:] for r in rest])
+
+    def _fill(self, prompts: PromptProcessingBatch, group: list[_Sequence], todo: list[list[int]]) -> None:
+        """Feed the prompts one prefill_step_size chunk per call, as mlx-lm's BatchGenerator does (a
+        row with nothing left in a chunk is all padding), reporting each unfinished prompt's progress."""
+        step = self.prefill_step_size
+        for start in range(0, max(map(len, todo)), step):
+            prompts.prompt([tokens[start : start + step] for tokens in todo])
+            if self._on_prefill_progress is None:
+                continue
+            for sequence, tokens in zip(group, todo, strict=True):
+                if start + step < len(tokens):
+                    prompt_tokens = len(sequence.request.prompt_token_ids)
+                    prefilled = prompt_tokens - len(tokens) - 1 + start + step
+                    self._on_prefill_progress(
+                        EngineOutput(
+                            request_id=sequence.request.request_id,
+                            prompt_tokens=prompt_tokens,
+                            prefilled_tokens=prefilled,
+                            prefix_cached_tokens=sequence.cached_tokens,
+                        )
+                    )
 
     def take_kv_changes(self) -> KVChanges:
         return self._prefixes.take_changes() if self._prefixes is not None else KVChanges()

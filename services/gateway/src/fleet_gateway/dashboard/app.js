@@ -476,7 +476,10 @@ function appendTurn(text) {
 
 function chatStatsText(stats) {
   const now = performance.now();
-  if (stats.firstAt === null && stats.endAt === null) return `prefilling… ${((now - stats.start) / 1000).toFixed(1)} s`;
+  if (stats.firstAt === null && stats.endAt === null) {
+    const done = stats.prefill ? ` ${stats.prefill.processed_tokens}/${stats.prefill.total_tokens} tokens,` : "";
+    return `prefilling…${done} ${((now - stats.start) / 1000).toFixed(1)} s`;
+  }
   const first = stats.firstAt ?? stats.endAt;
   const ttft = (first - stats.start) / 1000;
   const decode = ((stats.endAt ?? now) - first) / 1000;
@@ -502,9 +505,13 @@ function applyChunk(chunk, assistant, stats) {
   }
 }
 
+// The gateway's prefill progress on an SSE stream: a comment line, so other clients skip it.
+const PROGRESS_COMMENT = ": prefill_progress ";
+
 // Returns true once [DONE] is seen.
 function handleSseEvent(block, assistant, stats) {
   for (const line of block.split(/\r?\n/)) {
+    if (line.startsWith(PROGRESS_COMMENT)) stats.prefill = JSON.parse(line.slice(PROGRESS_COMMENT.length));
     if (!line.startsWith("data:")) continue;
     const payload = line.slice(5).trim();
     if (payload === "[DONE]") return true;
@@ -555,7 +562,7 @@ async function sendChat() {
   state.chat.busy = true;
   state.chat.abort = new AbortController();
   $("chat-send").disabled = true;
-  const stats = { start: performance.now(), firstAt: null, endAt: null, deltas: 0, usage: null };
+  const stats = { start: performance.now(), firstAt: null, endAt: null, deltas: 0, usage: null, prefill: null };
   const showStats = () => { $("chat-stats").textContent = chatStatsText(stats); };
   showStats();
   const ticker = setInterval(showStats, 200);
