@@ -2,7 +2,8 @@
 engine-workers (separate processes, their engine children joined by MLX's ring over loopback).
 
 The pipeline's greedy tokens equal the single-worker instance's, for one request and for two at
-once (batched through both ranks); a streamed request shows the prompt's prefill progress (rank 0
+once (batched through both ranks); asked again, a question reuses its prefix (each rank keeps its
+layers' blocks in memory); a streamed request shows the prompt's prefill progress (rank 0
 reports it: the ranks prefill in step, chunk by chunk). Killing rank 1's engine process fails the
 instance with a reason that names the rank; the scheduler places it again (generation 1, new ring
 ports) and it serves the same tokens.
@@ -33,8 +34,10 @@ from tests.support import call, embedded_stack, engine_children, until_state, wo
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow."]
 MAX_TOKENS = 12
-# Prefill in chunks of 8 tokens: every chat prompt here reports its progress a few times.
+# Prefill in chunks of 8 tokens: every chat prompt here reports its progress a few times; KV blocks
+# of 16 tokens: a question asked again reuses its prefix from each rank's memory.
 ENGINE_OPTIONS = json.dumps({"mlx": {"prefill_step_size": 8}})
+KV_BLOCK = 16
 PROGRESS = ": prefill_progress "
 
 
@@ -55,6 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "FLEET_RING_HOST": "127.0.0.1",
         "FLEET_RING_PORT_BASE": str(free_port()),
         "FLEET_ENGINE_OPTIONS": ENGINE_OPTIONS,
+        "FLEET_KV_BLOCK_SIZE": str(KV_BLOCK),
     }
     with embedded_stack(root / "state", env=env) as manifest:
         w2_env = worker_env(
@@ -68,7 +72,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         w2 = spawn(
             [sys.executable, "-m", "fleet_worker"],
             root / "w2.log",
-            {**w2_env, "FLEET_ENGINE_OPTIONS": ENGINE_OPTIONS},
+            {**w2_env, "FLEET_ENGINE_OPTIONS": ENGINE_OPTIONS, "FLEET_KV_BLOCK_SIZE": str(KV_BLOCK)},
         )
         try:
             asyncio.run(stage(manifest.gateway_url))
@@ -128,11 +132,25 @@ async def answers(session: aiohttp.ClientSession, gateway: str) -> list[list[int
     return list(await asyncio.gather(*(ask(q) for q in QUESTIONS)))
 
 
-async def streamed_progress(session: aiohttp.ClientSession, gateway: str) -> tuple[list[dict], int]:
-    """The prefill progress comments of one streamed chat, and its prompt's token count (usage)."""
+async def asked_again(session: aiohttp.ClientSession, gateway: str) -> tuple[list[int], dict]:
+    """QUESTIONS[0] once more through the bench endpoint: its token ids and generation stats."""
     body = {
         "model": DEFAULT_MODEL_ID,
         "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    reply = await call(session, "POST", f"{gateway}/bench/chat/completions", body)
+    return [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]], reply["generation_stats"]
+
+
+async def streamed_progress(session: aiohttp.ClientSession, gateway: str) -> tuple[list[dict], int]:
+    """The prefill progress comments of one streamed chat (a new question), and its prompt's token
+    count (usage)."""
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Describe the sea in one sentence."}],
         "max_tokens": 2,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -174,9 +192,15 @@ async def scenario(cluster: Cluster) -> None:
         assert len({s["ring_address"] for s in shards}) == 2
         assert await answers(session, gateway) == expected
         assert all(expected) and max(map(len, expected)) > 3
+        # every rank kept its layers' blocks of the question: asked again, its prefix is reused
+        again, stats = await asked_again(session, gateway)
+        assert again == expected[0]
+        assert stats["prefix_cached_tokens"] == (stats["prompt_tokens"] - 1) // KV_BLOCK * KV_BLOCK > 0
         progress, prompt_tokens = await streamed_progress(session, gateway)
         done = [p["processed_tokens"] for p in progress]
-        assert done == list(range(8, prompt_tokens - 1, 8)), (done, prompt_tokens)
+        # after each 8-token chunk past the cached prefix (the chat template's first block is shared)
+        assert done and (done[0] - 8) % KV_BLOCK == 0, done
+        assert done == list(range(done[0], prompt_tokens - 1, 8)), (done, prompt_tokens)
         assert {p["total_tokens"] for p in progress} == {prompt_tokens}
 
         failures: list[InstanceFailed] = []

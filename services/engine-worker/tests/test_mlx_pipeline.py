@@ -55,11 +55,13 @@ def progress(outputs: dict[str, list[EngineOutput]]) -> list[tuple[int, int, int
     ]
 
 
-def greedy(tag: str, max_tokens: int = 10) -> list[EngineRequest]:
+def greedy(
+    tag: str, max_tokens: int = 10, prompts: tuple[tuple[int, ...], ...] = tuple(PROMPTS)
+) -> list[EngineRequest]:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return [
         EngineRequest(request_id=f"{tag}{i}", prompt_token_ids=p, sampling=sampling)
-        for i, p in enumerate(PROMPTS)
+        for i, p in enumerate(prompts)
     ]
 
 
@@ -122,3 +124,40 @@ def test_an_unreachable_ring_fails_the_load_with_its_addresses(tmp_path: Path) -
     options = {"pipeline": spec(1, addresses), "ring_timeout_s": 1.0}
     with pytest.raises(EngineLoadError, match="could not join the pipeline ring"):
         asyncio.run(EngineProcess.start("mlx", folder, options))
+
+
+@pytest.mark.parametrize("rank1_memory", [1 << 26, 1])
+def test_ranks_reuse_the_prefix_every_rank_still_holds(tmp_path: Path, rank1_memory: int) -> None:
+    """Each rank keeps its own layers' prefix blocks; a prompt reuses what every rank holds (a rank
+    that holds nothing, here one with a 1-byte budget, makes all prefill), with the same tokens."""
+    folder = make_tiny_llama(tmp_path / "tiny", seed=5)
+    asyncio.run(reuse(folder, rank1_memory))
+
+
+async def reuse(folder: Path, rank1_memory: int) -> None:
+    kv = {"kv_fingerprint": "tiny", "kv_block_size": 4}
+    prompt = (PROMPTS[2],)  # 8 tokens: one reusable block of 4 (never the last token's)
+    single = await EngineProcess.start("mlx", folder, {})
+    try:
+        expected = tokens((await collect(single, greedy("s", prompts=prompt)))["s0"])
+    finally:
+        await single.stop()
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    memory = [1 << 26, rank1_memory]
+    ranks = await asyncio.gather(
+        *(
+            EngineProcess.start(
+                "mlx", folder, {**kv, "kv_memory_bytes": memory[r], "pipeline": spec(r, addresses)}
+            )
+            for r in range(2)
+        )
+    )
+    try:
+        first = (await collect(ranks[0], greedy("a", prompts=prompt)))["a0"]
+        again = (await collect(ranks[0], greedy("b", prompts=prompt)))["b0"]
+    finally:
+        await ranks[0].stop()
+        await ranks[1].stop()
+    assert tokens(first) == tokens(again) == expected
+    assert first[-1].prefix_cached_tokens == 0
+    assert again[-1].prefix_cached_tokens == (4 if rank1_memory > 1 else 0)

@@ -10,6 +10,7 @@ import pytest
 from fleet_store.kv import KVFolder, folder_fingerprint, prompt_blocks
 from fleet_worker.engines.kv_memory import BlockMemory
 from fleet_worker.engines.mlx_engine import MlxEngine
+from fleet_worker.engines.mlx_kv import MlxPrefixStore
 
 from .test_mlx_engine import greedy, reference_greedy, request, run
 from .tiny_model import make_tiny_llama
@@ -94,6 +95,25 @@ def test_blocks_in_the_kv_folder_are_used_by_another_engine(
         assert tokens["b"] == reference_greedy(reference, PROMPT_B, 12)
     finally:
         second.close()
+
+
+def test_a_limit_caps_the_reused_prefix_at_whole_blocks(reference) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = reference
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT_A[:-1]]), cache=cache)
+    store = MlxPrefixStore(model, "tiny", BLOCK, 64 << 20, None)
+    store.store(cache, PROMPT_A)
+    assert store.reusable_tokens(PROMPT_A) == 96 and store.reusable_tokens(PROMPT_B) == 64
+    assert [store.cache_for(PROMPT_A, mx.float32, limit)[1] for limit in (None, 95, 64, 31, 0)] == [
+        96,
+        64,
+        64,
+        0,
+        0,
+    ]
 
 
 def test_block_memory_evicts_the_least_recently_used() -> None:

@@ -114,3 +114,12 @@ def test_every_engine_gets_the_shared_kv_settings_and_configured_options_win() -
     }  # fmt: skip
     vllm = engine_options({"vllm": {"kv_block_size": 512}}, "vllm", manifest, kv)
     assert vllm["kv_block_size"] == 512 and "kv_memory_bytes" not in vllm
+
+
+def test_a_pipeline_rank_gets_the_memory_tier_and_no_kv_folder() -> None:
+    manifest = ModelManifest(model_id="m", revision="main", source="t", files=(), config={}, created_at=0)
+    kv = KVSettings(folder="/state/kv", block_size=256, memory_bytes=1 << 30)
+    rank = engine_options({"mlx": {"kv_dir": "/elsewhere"}}, "mlx", manifest, kv, shared_tier=False)
+    assert rank == {
+        "kv_block_size": 256, "kv_memory_bytes": 1 << 30, "kv_fingerprint": manifest_fingerprint(manifest),
+    }  # fmt: skip

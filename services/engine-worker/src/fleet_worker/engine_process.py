@@ -187,6 +187,7 @@ def _serve_lockstep(
         if shared and not all(_apply(engine, c, outputs) for c in batch_decoder.decode(shared)):
             return
         outputs += engine.step()
+        engine.take_kv_changes()  # a rank's blocks are its own, never indexed: only drained
         if lockstep.rank == 0 and outputs:
             conn.send_bytes(encoder.encode(Outputs(outputs=outputs)))
 

@@ -92,17 +92,26 @@ class KVSettings:
 
 
 def engine_options(
-    configured: dict[str, dict[str, Any]], engine: str, manifest: ModelManifest, kv: KVSettings | None = None
+    configured: dict[str, dict[str, Any]],
+    engine: str,
+    manifest: ModelManifest,
+    kv: KVSettings | None = None,
+    shared_tier: bool = True,
 ) -> dict[str, Any]:
-    """The options an instance's engine gets: the shared-KV ones (the model's fingerprint from its
-    manifest: no re-hashing of the weights on the node), then the configured ones, which win."""
+    """The options an instance's engine gets: the KV ones (the model's fingerprint from its
+    manifest: no re-hashing of the weights on the node), then the configured ones, which win.
+    Without the shared tier (a pipeline rank) an engine gets no KV folder, only its memory tier."""
     options: dict[str, Any] = {}
     if kv is not None:
-        options = {"kv_dir": kv.folder, "kv_block_size": kv.block_size}
+        options = {"kv_block_size": kv.block_size}
+        if shared_tier:
+            options["kv_dir"] = kv.folder
         if engine == "mlx":
             options["kv_memory_bytes"] = kv.memory_bytes
     options |= configured.get(engine, {})
-    if options.get("kv_dir") and not options.get("kv_fingerprint"):
+    if not shared_tier:
+        options.pop("kv_dir", None)
+    if (options.get("kv_dir") or options.get("kv_memory_bytes")) and not options.get("kv_fingerprint"):
         options["kv_fingerprint"] = manifest_fingerprint(manifest)
     return options
 
@@ -295,11 +304,12 @@ class InstanceManager:
             manifest, folder = await self._fetch(instance, report=rank == 0)
             if rank == 0:
                 await self._loading_progress(iid, 0.0)
-            if instance.is_pipeline:  # a rank's KV holds only its layers: no shared KV tier
-                options = engine_options(self._options, instance.engine, manifest)
+            # A rank's KV holds only its layers: its prefix blocks stay in its memory, out of the
+            # shared tier (and of this worker's index: running.kv_fingerprint stays "").
+            shared = not instance.is_pipeline
+            options = engine_options(self._options, instance.engine, manifest, self._kv_settings, shared)
+            if instance.is_pipeline:
                 options["pipeline"] = pipeline_options(instance, rank)
-            else:
-                options = engine_options(self._options, instance.engine, manifest, self._kv_settings)
             progress = LoadProgressReporter(lambda fraction: self._loading_progress(iid, fraction))
             engine = await EngineProcess.start(
                 instance.engine,
@@ -309,7 +319,9 @@ class InstanceManager:
                 on_progress=progress.report if rank == 0 else None,
             )
             await progress.flush()
-            running = RunningInstance(instance, engine, options.get("kv_fingerprint", ""), rank)
+            running = RunningInstance(
+                instance, engine, options.get("kv_fingerprint", "") if shared else "", rank
+            )
             if self._kv is not None and running.kv_fingerprint:
                 kv, fingerprint = self._kv, running.kv_fingerprint
                 engine.on_kv_changes = lambda changes: kv.on_engine_changes(fingerprint, changes)

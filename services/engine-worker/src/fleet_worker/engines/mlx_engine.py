@@ -200,8 +200,12 @@ class MlxEngine:
         self._on_prefill_progress = on_prefill_progress
         self._dtype = activation_dtype(self.model)
         self._prefixes: MlxPrefixStore | None = None
-        # A rank's KV holds only its layers: prefix reuse and handoffs would need every rank's blocks.
-        if kv_fingerprint and (kv_memory_bytes or kv_dir) and self.lockstep is None:
+        if self.lockstep is not None:
+            # A rank's blocks hold only its layers: they stay in its memory, named apart from the
+            # whole model's, and never go to a KV folder (the shared tier).
+            kv_dir = ""
+            kv_fingerprint = kv_fingerprint and f"{kv_fingerprint}/layers-{spec.start_layer}-{spec.end_layer}"
+        if kv_fingerprint and (kv_memory_bytes or kv_dir):
             folder = KVFolder(kv_dir) if kv_dir else None
             self._prefixes = MlxPrefixStore(
                 self.model, kv_fingerprint, kv_block_size, kv_memory_bytes, folder
@@ -486,16 +490,25 @@ class MlxEngine:
             )
             return None
 
+    def _reusable_limits(self, group: list[_Sequence]) -> list[int | None]:
+        """How much of each prompt's cached prefix to reuse: all of it alone; in a pipeline what every
+        rank holds (each rank's memory evicts by its own blocks' sizes), so all prefill alike."""
+        if self.lockstep is None:
+            return [None] * len(group)
+        store = self._prefixes
+        held = [store.reusable_tokens(s.request.prompt_token_ids) if store else 0 for s in group]
+        return list(self.lockstep.fewest(held))
+
     def _prefill(self, group: list[_Sequence]) -> GenerationBatch:
         caches, history, rest = [], [], []
-        for sequence in group:
+        for sequence, limit in zip(group, self._reusable_limits(group), strict=True):
             prompt = list(sequence.request.prompt_token_ids)
             imported = self._imported_cache(sequence) if sequence.request.kv_import else None
             cache, hit = make_prompt_cache(self.model), 0
             if imported is not None:
                 cache, hit = imported
             elif self._prefixes is not None:
-                cache, hit = self._prefixes.cache_for(prompt, self._dtype)
+                cache, hit = self._prefixes.cache_for(prompt, self._dtype, limit)
                 sequence.cached_tokens = hit
             caches.append(cache)
             history.append(prompt[:hit])

@@ -135,13 +135,31 @@ class MlxPrefixStore:
         self.memory.put(block_hash, layers, len(data))
         return layers
 
-    def cache_for(self, prompt: Sequence[int], dtype: mx.Dtype) -> tuple[list[KVCache], int]:
-        """A prompt cache holding the prompt's longest reusable prefix, and that prefix's length."""
+    def reusable_tokens(self, prompt: Sequence[int]) -> int:
+        """How many leading prompt tokens cache_for would reuse now."""
+        if not self.supported:
+            return 0
+        held = 0
+        for block_hash, *_ in self._usable(prompt):
+            in_folder = self.folder is not None and self.folder.contains(self.fingerprint, block_hash)
+            if block_hash not in self.memory and not in_folder:
+                break
+            held += 1
+        return held * self.block_size
+
+    def cache_for(
+        self, prompt: Sequence[int], dtype: mx.Dtype, limit: int | None = None
+    ) -> tuple[list[KVCache], int]:
+        """A prompt cache holding the prompt's longest reusable prefix (at most `limit` tokens), and
+        that prefix's length."""
         cache = make_prompt_cache(self.model)
         if not self.supported:
             return cache, 0
+        usable = self._usable(prompt)
+        if limit is not None:
+            usable = usable[: limit // self.block_size]
         found: list[list[tuple[mx.array, mx.array]]] = []
-        for block_hash, _, _, tokens in self._usable(prompt):
+        for block_hash, _, _, tokens in usable:
             layers = self.memory.get(block_hash) or self._from_folder(block_hash, tokens)
             if layers is None:
                 break

@@ -80,6 +80,15 @@ class Ring:
             mx.eval(shared)
             return bytes(np.array(shared, copy=False))
 
+    def fewest(self, counts: list[int]) -> list[int]:
+        """Each position's smallest count over all ranks (every rank passes as many counts)."""
+        if not counts:
+            return []
+        with mx.stream(self.stream):
+            mine = mx.array(counts, dtype=mx.int32)
+            every = mx.distributed.all_gather(mine, group=self.group).reshape(self.size, len(counts))
+            return [int(n) for n in every.min(axis=0).tolist()]
+
     def share_tokens(self, tokens: mx.array) -> mx.array:
         """Rank 0's sampled tokens on every rank (lazy: part of the step's graph)."""
         mine = tokens.astype(mx.int32) if self.rank == 0 else mx.zeros(tokens.shape, dtype=mx.int32)
