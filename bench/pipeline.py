@@ -6,8 +6,10 @@
 Starts an embedded stack (its worker w1) plus a worker w2, both MLX, their ring on loopback. Each
 round serves the model from an instance on w1 alone, then from a pipeline instance (layers 0-15 on
 w1, 15-30 on w2), alternating so the machine's noise falls on both. Per layout: decode tok/s and
-TTFT of one stream (median of 3 greedy requests through POST /bench/chat/completions), and the
-aggregate tok/s of `--streams` concurrent requests. Reported: pipeline / single ratios. On one
+TTFT of one stream (median of 3 greedy requests through POST /bench/chat/completions), the
+aggregate tok/s of `--streams` concurrent requests, and the TTFT of a ~300-token prompt cold, then
+asked again (its first 256-token block reused from the engine's memory; on the pipeline, from each
+rank's). Reported: pipeline / single ratios, and warm / cold TTFT per layout. On one
 machine both ranks share its cores, so this measures the pipeline's overhead (activations and
 tokens through the ring each step), not the capacity it adds across machines. Writes JSON to
 bench/results/.
@@ -30,6 +32,8 @@ from cluster import REPO, call, delete, discard, scratch_dir, stage, two_workers
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LAYERS = 30
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+# ~300 tokens with the chat template: one whole KV block of 256 to reuse when asked again.
+LONG_TEXT = " ".join(f"Line {i}: the keeper lit the lamp and watched the ships." for i in range(24))
 LAYOUTS = {
     "single": [{"node_id": "w1", "start_layer": 0, "end_layer": LAYERS}],
     "pipeline": [
@@ -47,23 +51,33 @@ async def create(gateway: str, shards: list[dict]) -> str:
     return iid
 
 
-async def generate(session: aiohttp.ClientSession, gateway: str, tg: int) -> dict:
-    body = {"model": SMOLLM2, "messages": PROMPT, "max_tokens": tg, "temperature": 0}
+async def generate(
+    session: aiohttp.ClientSession, gateway: str, tg: int, messages: list[dict] = PROMPT
+) -> dict:
+    body = {"model": SMOLLM2, "messages": messages, "max_tokens": tg, "temperature": 0}
     return (await call(session, "POST", f"{gateway}/bench/chat/completions", body))["generation_stats"]
 
 
-async def measure(gateway: str, tg: int, streams: int) -> dict:
+async def measure(gateway: str, tg: int, streams: int, tag: str) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         await generate(session, gateway, 4)  # warm
         single = [await generate(session, gateway, tg) for _ in range(3)]
         started = time.perf_counter()
         batch = await asyncio.gather(*(generate(session, gateway, tg) for _ in range(streams)))
         wall = time.perf_counter() - started
+        # the tag leads the prompt, so no earlier run's blocks (the KV folder, the shared tier) match
+        long = [{"role": "user", "content": f"[{tag}] {LONG_TEXT}"}]
+        cold = await generate(session, gateway, 2, long)
+        warm = await generate(session, gateway, 2, long)
     return {
         "decode_tps": statistics.median(s["generation_tps"] for s in single),
         "ttft_s": statistics.median(s["ttft_s"] for s in single),
         "tokens": single[0]["generation_tokens"],
         "aggregate_tps": sum(s["generation_tokens"] for s in batch) / wall,
+        "long_prompt_tokens": cold["prompt_tokens"],
+        "cold_ttft_s": cold["ttft_s"],
+        "warm_ttft_s": warm["ttft_s"],
+        "warm_cached_tokens": warm["prefix_cached_tokens"],
     }
 
 
@@ -89,7 +103,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, shards in LAYOUTS.items():
                 iid = asyncio.run(create(gateway, shards))
-                result = asyncio.run(measure(gateway, args.tg, args.streams))
+                result = asyncio.run(measure(gateway, args.tg, args.streams, f"{name} {round_}"))
                 asyncio.run(delete(gateway, iid))
                 runs[name].append(result)
                 print(f"round {round_ + 1} {name:8s} " + " ".join(f"{k} {v:.3f}" for k, v in result.items()))
@@ -99,13 +113,16 @@ def main() -> None:
     }
     ratios = {
         key: summary["pipeline"][key] / summary["single"][key]
-        for key in ("decode_tps", "ttft_s", "aggregate_tps")
+        for key in ("decode_tps", "ttft_s", "aggregate_tps", "cold_ttft_s", "warm_ttft_s")
     }
+    reuse = {name: summary[name]["warm_ttft_s"] / summary[name]["cold_ttft_s"] for name in LAYOUTS}
     print("\npipeline / single: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print("warm / cold TTFT (prefix reused): " + ", ".join(f"{k} {v:.2f}x" for k, v in reuse.items()))
     result = {
         "runs": runs,
         "summary": summary,
         "ratios": ratios,
+        "warm_over_cold_ttft": reuse,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     write_result(args.out, "pipeline", result)
