@@ -7,6 +7,10 @@ layers' blocks in memory); a streamed request shows the prompt's prefill progres
 reports it: the ranks prefill in step, chunk by chunk). Killing rank 1's engine process fails the
 instance with a reason that names the rank; the scheduler places it again (generation 1, new ring
 ports) and it serves the same tokens.
+
+Disaggregated, a pipeline decodes from a single-worker instance's handoff (rank 0's worker receives
+it, every rank takes its layers) and prefills for one (rank 0 sends every rank's layers), with the
+tokens of the colocated run.
 """
 
 from __future__ import annotations
@@ -92,8 +96,8 @@ async def stage(gateway: str) -> None:
         await until_state(session, gateway, staged, 300)
 
 
-async def create(session: aiohttp.ClientSession, gateway: str, shards: list[dict]) -> str:
-    body = {"model": DEFAULT_MODEL_ID, "engine": "mlx", "shards": shards}
+async def create(session: aiohttp.ClientSession, gateway: str, shards: list[dict], role: str = "both") -> str:
+    body = {"model": DEFAULT_MODEL_ID, "engine": "mlx", "shards": shards, "role": role}
     instance_id = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
     await until_ready(session, gateway, instance_id)
     return instance_id
@@ -132,14 +136,17 @@ async def answers(session: aiohttp.ClientSession, gateway: str) -> list[list[int
     return list(await asyncio.gather(*(ask(q) for q in QUESTIONS)))
 
 
-async def asked_again(session: aiohttp.ClientSession, gateway: str) -> tuple[list[int], dict]:
-    """QUESTIONS[0] once more through the bench endpoint: its token ids and generation stats."""
+async def bench(
+    session: aiohttp.ClientSession, gateway: str, question: str, **options
+) -> tuple[list[int], dict]:
+    """One question through the bench endpoint: its token ids and generation stats."""
     body = {
         "model": DEFAULT_MODEL_ID,
-        "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        "messages": [{"role": "user", "content": question}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "logprobs": True,
+        **options,
     }
     reply = await call(session, "POST", f"{gateway}/bench/chat/completions", body)
     return [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]], reply["generation_stats"]
@@ -193,7 +200,7 @@ async def scenario(cluster: Cluster) -> None:
         assert await answers(session, gateway) == expected
         assert all(expected) and max(map(len, expected)) > 3
         # every rank kept its layers' blocks of the question: asked again, its prefix is reused
-        again, stats = await asked_again(session, gateway)
+        again, stats = await bench(session, gateway, QUESTIONS[0])
         assert again == expected[0]
         assert stats["prefix_cached_tokens"] == (stats["prompt_tokens"] - 1) // KV_BLOCK * KV_BLOCK > 0
         progress, prompt_tokens = await streamed_progress(session, gateway)
@@ -230,3 +237,37 @@ async def scenario(cluster: Cluster) -> None:
         assert not old & {s["ring_address"] for s in state["instances"][pipeline]["shards"]}
         assert await answers(session, gateway) == expected
         print(f"pipeline placed again and ready {replaced_s:.1f} s after rank 1 was killed")
+        await delete(session, gateway, pipeline)
+
+
+def test_a_pipeline_decodes_from_and_prefills_for_a_one_worker_instance(cluster: Cluster) -> None:
+    asyncio.run(handoffs(cluster.gateway))
+
+
+async def disaggregated(session: aiohttp.ClientSession, gateway: str, question: str) -> dict:
+    """The question colocated, then disaggregated (stream handoff): the same tokens, the handoff used."""
+    colocated, stats = await bench(session, gateway, question, disaggregated=False)
+    assert stats["handoff"] is None
+    tokens, stats = await bench(session, gateway, question, disaggregated=True, transport="stream")
+    handoff = stats["handoff"]
+    assert stats["disaggregated"] and handoff["fallback"] == "" and handoff["bytes"] > 0, handoff
+    assert tokens == colocated and len(tokens) > 3
+    return handoff
+
+
+async def handoffs(gateway: str) -> None:
+    whole_w2 = [{"node_id": "w2", "start_layer": 0, "end_layer": 30}]
+    async with aiohttp.ClientSession() as session:
+        pipeline = await create(session, gateway, halves("w1", "w2"), role="decode")
+        prefiller = await create(session, gateway, whole_w2, role="prefill")
+        handoff = await disaggregated(session, gateway, QUESTIONS[0])
+        assert handoff["prefill_worker_id"] == "w2"
+        await delete(session, gateway, pipeline)
+        await delete(session, gateway, prefiller)
+
+        pipeline = await create(session, gateway, halves("w1", "w2"), role="prefill")
+        decoder = await create(session, gateway, whole_w2, role="decode")
+        handoff = await disaggregated(session, gateway, QUESTIONS[1])
+        assert handoff["prefill_worker_id"] == "w1"  # rank 0's worker sends every rank's layers
+        await delete(session, gateway, pipeline)
+        await delete(session, gateway, decoder)

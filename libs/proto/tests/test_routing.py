@@ -140,17 +140,14 @@ def pipelined(instance_id: str, engine: str = "mlx", role: str = "both"):
     return (InstancePlaced(instance=instance), InstanceReady(instance_id=instance_id))
 
 
-def test_pipeline_instances_take_no_part_in_disaggregation():
-    # its KV lives split across its ranks: neither prefilled for nor prefilling for another
+def test_pipeline_instances_prefill_and_decode_disaggregated_like_any_other():
+    # rank 0 is a pipeline's one handoff endpoint: its node is the instance's node
     decoder = state_of(*pipelined("pd", role="decode"), *ready("p", role="prefill", engine="vllm"))
     reply = route(decoder, LONG, {})
-    assert (reply.instance_id, reply.prefill_instance_id) == ("pd", "")
+    assert (reply.instance_id, reply.prefill_instance_id) == ("pd", "p")
     prefiller = state_of(*ready("d", role="decode"), *pipelined("pp", role="prefill", engine="mlx"))
     reply = route(prefiller, LONG, {})
-    assert (reply.instance_id, reply.prefill_instance_id) == ("d", "")
-    both = state_of(*ready("d", role="decode"), *pipelined("pb"))
-    reply = route(both, LONG, {"pb": 5000})
-    assert (reply.instance_id, reply.prefill_instance_id) == ("d", "")
+    assert (reply.instance_id, reply.prefill_instance_id, reply.prefill_worker_id) == ("d", "pp", "pp-0")
 
 
 def test_only_a_prefill_instance_is_no_route():

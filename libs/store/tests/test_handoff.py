@@ -18,7 +18,9 @@ from fleet_store.handoff import (
     frame,
     frame_length,
     handoff_blocks,
+    layer_range,
     read_folder,
+    split_frames,
 )
 from fleet_store.kv import WireTensor
 
@@ -85,6 +87,19 @@ def test_a_folder_handoff_assembles_per_layer_in_order(tmp_path):
     assert (kv.start_pos, kv.end) == (5, 12)
     assert [sum(k.shape[0] for k, _ in kv.rows[layer]) for layer in (0, 1)] == [7, 7]
     assert kv.states[2].meta == ("0", "16", "20", "4")
+
+
+def test_framed_bytes_split_back_into_chunks_and_a_rank_takes_its_layers(tmp_path):
+    # a pipeline's rank 0 shares a received handoff as framed bytes; rank 1 (layers 1-3) takes its part
+    write_handoff(tmp_path, start=5, end=12, split=9)
+    framed = b"".join(frame(blob) for blob in read_folder(tmp_path))
+    assert list(split_frames(framed)) == list(read_folder(tmp_path))
+    with pytest.raises(HandoffError, match="cut short"):
+        list(split_frames(framed[:-1]))
+    mine = layer_range(assemble(split_frames(framed), "h1", 5), 1, 3)
+    assert (mine.start_pos, mine.end) == (5, 12)
+    assert sorted(mine.rows) == [0] and sorted(mine.states) == [1]  # model layers 1 and 2, renumbered
+    assert mine.states[1].meta == ("0", "16", "20", "4")
 
 
 def test_gaps_missing_layers_errors_and_truncation_are_refused(tmp_path):

@@ -1,6 +1,7 @@
 """Pipeline-parallel MLX engines: two engine processes, one layer each of a tiny random llama, joined
 by mx.distributed's ring on loopback, give the tokens of the whole model in one process, batched,
-and stay in step through a cancel. The shard loader refuses a folder that lacks its weights."""
+and stay in step through a cancel; they hand KV over to and take it from one process. The shard
+loader refuses a folder that lacks its weights."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from mlx_lm.utils import load_model
 
 from fleet_local.processes import free_port
 from fleet_proto import SamplingParams
+from fleet_store.handoff import decode_chunk, read_folder
 from fleet_worker.engine_process import EngineLoadError, EngineProcess
-from fleet_worker.engines.base import EngineOutput, EngineRequest
+from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport
 from fleet_worker.engines.mlx_pipeline import PipelineSpec, keep_layers, missing_weights
 
 from .tiny_model import LAYERS, make_tiny_llama
@@ -65,6 +67,18 @@ def greedy(
     ]
 
 
+async def start_pipeline(folder: Path, options: dict) -> list[EngineProcess]:
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    return list(
+        await asyncio.gather(
+            *(
+                EngineProcess.start("mlx", folder, {**options, "pipeline": spec(r, addresses)})
+                for r in range(2)
+            )
+        )
+    )
+
+
 @pytest.mark.parametrize("window", [0, 4])
 def test_two_ranks_decode_like_one_process_and_stay_in_step(tmp_path: Path, window: int) -> None:
     folder = make_tiny_llama(tmp_path / "tiny", seed=5, sliding_window=window)
@@ -78,10 +92,7 @@ async def compare(folder: Path) -> None:
         expected = await collect(single, greedy("s"))
     finally:
         await single.stop()
-    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    ranks = await asyncio.gather(
-        *(EngineProcess.start("mlx", folder, {**CHUNKED, "pipeline": spec(r, addresses)}) for r in range(2))
-    )
+    ranks = await start_pipeline(folder, CHUNKED)
     try:
         got = await collect(ranks[0], greedy("p"))
         assert [tokens(got[f"p{i}"]) for i in range(3)] == [tokens(expected[f"s{i}"]) for i in range(3)]
@@ -161,3 +172,61 @@ async def reuse(folder: Path, rank1_memory: int) -> None:
     assert tokens(first) == tokens(again) == expected
     assert first[-1].prefix_cached_tokens == 0
     assert again[-1].prefix_cached_tokens == (4 if rank1_memory > 1 else 0)
+
+
+def export_request(request_id: str, folder: Path, prompt: tuple[int, ...]) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        export=KVExport(folder=str(folder), handoff_id=folder.name),
+    )
+
+
+def import_request(request_id: str, folder: Path, prompt: tuple[int, ...]) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=10, temperature=0.0),
+        kv_import=KVImport(folder=str(folder), handoff_id=folder.name),
+    )
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_a_pipeline_hands_its_kv_to_one_process_and_takes_kv_from_one(tmp_path: Path, window: int) -> None:
+    """Rank 0 writes every rank's layers (window 4: rank 0's sliding layer as state, rank 1's as
+    rows); a handoff into the pipeline reaches each rank's layers; a corrupt one is prefilled by
+    all ranks alike. Greedy tokens equal a cold run each time."""
+    folder = make_tiny_llama(tmp_path / "tiny", seed=5, sliding_window=window)
+    asyncio.run(handoffs(folder, tmp_path))
+
+
+async def handoffs(folder: Path, tmp_path: Path) -> None:
+    prompt = PROMPTS[2]
+    single = await EngineProcess.start("mlx", folder, CHUNKED)
+    ranks = await start_pipeline(folder, CHUNKED)
+    try:
+        cold = tokens((await collect(single, greedy("c", prompts=(prompt,))))["c0"])
+
+        out = tmp_path / "from-pipeline"
+        exported = await collect(ranks[0], [export_request("x", out, prompt)])
+        assert exported["x"][-1].finish_reason == "length", exported["x"][-1].error
+        chunks = [decode_chunk(blob) for blob in read_folder(out)]
+        assert chunks[-1].kind == "done" and (chunks[-1].token_start, chunks[-1].token_end) == (0, 7)
+        assert {layer for c in chunks for layer in (*c.kv, *c.states)} == {0, 1}  # both ranks' layers
+        decoded = (await collect(single, [import_request("d", out, prompt)]))["d"]
+        assert decoded[-1].handoff is None and tokens(decoded) == cold
+
+        into = tmp_path / "from-single"
+        await collect(single, [export_request("y", into, prompt)])
+        decoded = (await collect(ranks[0], [import_request("e", into, prompt)]))["e"]
+        assert decoded[-1].handoff is None and tokens(decoded) == cold
+
+        first = into / "000000.safetensors"
+        first.write_bytes(first.read_bytes()[:-1] + bytes([first.read_bytes()[-1] ^ 0xFF]))
+        decoded = (await collect(ranks[0], [import_request("f", into, prompt)]))["f"]
+        assert decoded[-1].handoff is not None and "sha256" in decoded[-1].handoff.fallback
+        assert tokens(decoded) == cold
+    finally:
+        await single.stop()
+        await ranks[0].stop()
+        await ranks[1].stop()

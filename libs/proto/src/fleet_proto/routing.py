@@ -18,9 +18,9 @@ Disaggregation: when the prompt part that the chosen decoder would have to compu
 node's memory nor in object storage) is longer than `disagg_min_tokens` (the seed's 1,000), or the
 request asks for it, the prompt is prefilled on another ready instance of the same base model
 (role "prefill" first, then "both"; vLLM first, the compute-strong engine; then least loaded) and
-its KV handed to the decoder. Only engines that can take KV in (KV_IMPORT_ENGINES) decode that way,
-and pipeline instances (layers split across nodes) take no part: their KV lives split across their
-ranks, and a handoff moves one node's KV.
+its KV handed to the decoder. Only engines that can take KV in (KV_IMPORT_ENGINES) decode that way.
+A pipeline instance (layers split across nodes) takes part like any other: its rank 0, on the
+instance's node, is its one handoff endpoint and moves every rank's layers.
 """
 
 from __future__ import annotations
@@ -69,14 +69,13 @@ def prefill_partner(
     avoid_nodes: tuple[str, ...] = (),
 ) -> Instance | None:
     """The instance to prefill for `decoder`, or None when no other instance can."""
-    if decoder.engine not in KV_IMPORT_ENGINES or decoder.is_pipeline:
+    if decoder.engine not in KV_IMPORT_ENGINES:
         return None
     candidates = [
         i
         for i in ready_instances(state, model_id, roles=PREFILL_ROLES)
         if i.instance_id != decoder.instance_id
         and i.engine in KV_EXPORT_ENGINES
-        and not i.is_pipeline
         and i.node_id not in avoid_nodes
     ]
     if not candidates:

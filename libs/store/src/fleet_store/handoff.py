@@ -256,15 +256,22 @@ def read_folder(folder: str | Path) -> Iterator[bytes]:
 
 
 def read_frames(path: str | Path) -> Iterator[bytes]:
-    with Path(path).open("rb") as file:
-        while header := file.read(FRAME_HEADER.size):
-            if len(header) < FRAME_HEADER.size:
-                raise HandoffError("a frame header is cut short")
-            length = frame_length(header)
-            blob = file.read(length)
-            if len(blob) < length:
-                raise HandoffError(f"a chunk is cut short at {len(blob)} of {length} bytes")
-            yield blob
+    return split_frames(Path(path).read_bytes())
+
+
+def split_frames(data: bytes) -> Iterator[bytes]:
+    """The chunks of framed bytes (a frames file's content), in order."""
+    at = 0
+    while at < len(data):
+        header = data[at : at + FRAME_HEADER.size]
+        if len(header) < FRAME_HEADER.size:
+            raise HandoffError("a frame header is cut short")
+        length = frame_length(header)
+        blob = data[at + FRAME_HEADER.size : at + FRAME_HEADER.size + length]
+        if len(blob) < length:
+            raise HandoffError(f"a chunk is cut short at {len(blob)} of {length} bytes")
+        yield blob
+        at += FRAME_HEADER.size + length
 
 
 # -- assembling a received handoff ------------------------------------------------------------------
@@ -308,6 +315,17 @@ def assemble(blobs: Sequence[bytes] | Iterator[bytes], handoff_id: str, start_po
             covered[layer] = chunk.token_end
         states.update(chunk.states)
     raise HandoffError("the handoff ended without its done chunk")
+
+
+def layer_range(kv: AssembledKV, start_layer: int, end_layer: int) -> AssembledKV:
+    """The part of a whole-model handoff that layers [start_layer, end_layer) take (one pipeline
+    rank's), renumbered from 0 as that rank's cache counts them."""
+    return AssembledKV(
+        kv.start_pos,
+        kv.end,
+        {i - start_layer: rows for i, rows in kv.rows.items() if start_layer <= i < end_layer},
+        {i - start_layer: state for i, state in kv.states.items() if start_layer <= i < end_layer},
+    )
 
 
 def _joined(pieces: Sequence[WireTensor]) -> WireTensor:

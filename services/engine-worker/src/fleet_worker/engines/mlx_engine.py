@@ -32,7 +32,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,19 +53,30 @@ from mlx_lm.sample_utils import (
 
 from fleet_proto import HandoffStats, SamplingParams
 from fleet_proto.messages import TokenLogprob
-from fleet_store.handoff import HandoffError, HandoffWriter, assemble, read_folder
+from fleet_store.handoff import (
+    AssembledKV,
+    HandoffError,
+    HandoffWriter,
+    assemble,
+    frame,
+    layer_range,
+    read_folder,
+    split_frames,
+)
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder
 from fleet_worker.engines.base import (
     EngineOutput,
     EngineRequest,
     KVChanges,
+    KVExport,
+    KVImport,
     LoadProgress,
     PrefillProgress,
     eos_token_ids,
     error_output,
     request_problem,
 )
-from fleet_worker.engines.mlx_handoff import Export, apply_handoff, movable_problem
+from fleet_worker.engines.mlx_handoff import Export, RankWriter, apply_handoff, movable_problem
 from fleet_worker.engines.mlx_kv import MlxPrefixStore
 from fleet_worker.engines.mlx_pipeline import PipelineSpec, Ring, connect_layers, join_ring, load_shard
 
@@ -181,10 +192,11 @@ class MlxEngine:
         self._stream = mx.new_thread_local_stream(mx.default_device())
         # One rank of a pipeline: the other ranks run this same engine in lock-step (mlx_pipeline).
         self.lockstep: Ring | None = None
+        self._shard: PipelineSpec | None = None
         if pipeline is None:
             self.model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
         else:
-            spec = msgspec.convert(pipeline, PipelineSpec)
+            spec = self._shard = msgspec.convert(pipeline, PipelineSpec)
             self.model, tokenizer, config = load_shard(model_dir, spec)
             self.lockstep = join_ring(spec, self._stream, ring_timeout_s)
             connect_layers(self.model, spec, self.lockstep)
@@ -223,8 +235,9 @@ class MlxEngine:
         self._export_queue: deque[EngineRequest] = deque()
         self._export: Export | None = None
         self._handoff_problem = movable_problem(make_prompt_cache(self.model))
-        if self.lockstep is not None:
-            self._handoff_problem = "a pipeline rank holds only its own layers' KV"
+        if self.lockstep is not None and self.lockstep.fewest([0 if self._handoff_problem else 1]) == [0]:
+            # every rank must take the same requests the same way: one rank's problem is the pipeline's
+            self._handoff_problem = self._handoff_problem or "another rank's cache cannot be handed over"
         self._greedy = self._shared(greedy_sampler)  # one object: greedy rows share one batched call
 
     def add(self, request: EngineRequest) -> None:
@@ -278,8 +291,11 @@ class MlxEngine:
             return ""
         if self._handoff_problem:
             return self._handoff_problem
-        if spec.start_pos and (self._prefixes is None or not self._prefixes.supported):
-            return "this engine keeps no prefix cache to continue a handoff from"
+        if request.kv_import is not None and spec.start_pos:
+            if self.lockstep is not None:  # the ranks' prefixes are in no index a decoder could ask
+                return "a pipeline takes whole-prompt handoffs only"
+            if self._prefixes is None or not self._prefixes.supported:
+                return "this engine keeps no prefix cache to continue a handoff from"
         if not 0 <= spec.start_pos <= len(request.prompt_token_ids) - 1:
             return f"handoff start {spec.start_pos} is outside the prompt"
         return ""
@@ -403,15 +419,15 @@ class MlxEngine:
         assert spec is not None
         prompt = list(request.prompt_token_ids)
         cache, hit = make_prompt_cache(self.model), 0
+        limit = self._reusable_limits([prompt])[0]
         if self._prefixes is not None:
-            cache, hit = self._prefixes.cache_for(prompt, self._dtype)
-        writer = HandoffWriter(spec.folder, spec.handoff_id)
+            cache, hit = self._prefixes.cache_for(prompt, self._dtype, limit)
         return Export(
             request.request_id,
             prompt,
             spec.start_pos,
             len(prompt) - 1,
-            writer,
+            self._handoff_writer(spec),
             spec.wire_dtype,
             cache,
             position=hit,
@@ -426,11 +442,15 @@ class MlxEngine:
             try:
                 self._export = self._start_export(request)
             except Exception as error:
+                if self.lockstep is not None:  # the other ranks are inside the same step: all must stop
+                    raise
                 return [error_output(request, _describe(error))]
         export = self._export
         try:
             export.advance(self.model, self.prefill_step_size)
         except Exception as error:
+            if self.lockstep is not None:
+                raise
             log.exception("prefill for handoff %s failed", export.writer.handoff_id)
             return self._end_export(export.request_id, "error", _describe(error))
         if not export.done:
@@ -457,20 +477,56 @@ class MlxEngine:
             request = next(r for r in self._export_queue if r.request_id == request_id)
             self._export_queue.remove(request)
             assert request.export is not None
-            HandoffWriter(request.export.folder, request.export.handoff_id).error(error or finish_reason)
+            self._handoff_writer(request.export).error(error or finish_reason)
         output = EngineOutput(request_id=request_id, finish_reason=finish_reason, error=error)
         if finish_reason == "cancelled":
             self._pending.append(output)
             return []
         return [output]
 
+    def _handoff_writer(self, spec: KVExport) -> HandoffWriter | RankWriter:
+        """Where an export's chunks go: its folder, or in a pipeline rank 0's writer of that folder
+        (rank 0's worker asked for it; the folder is on rank 0's machine)."""
+        ring, shard = self.lockstep, self._shard
+        if ring is None or shard is None:
+            return HandoffWriter(spec.folder, spec.handoff_id)
+        writer = HandoffWriter(spec.folder, spec.handoff_id) if ring.rank == 0 else None
+        return RankWriter(ring, spec.handoff_id, shard.start_layer, writer)
+
+    def _handoff_kv(self, spec: KVImport) -> AssembledKV:
+        """The handoff's KV for this engine's layers. A pipeline's handoff arrived at rank 0's worker:
+        rank 0 shares its chunks over the ring and every rank takes its own layers' part."""
+        ring, shard = self.lockstep, self._shard
+        if ring is None or shard is None:
+            return assemble(read_folder(spec.folder), spec.handoff_id, spec.start_pos)
+        frames, problem = b"", "rank 0 could not read the handoff"
+        if ring.rank == 0:
+            try:
+                frames = b"".join(frame(blob) for blob in read_folder(spec.folder))
+            except (OSError, HandoffError) as error:
+                problem = f"{problem}: {error}"
+        shared = ring.share_bytes(frames)
+        if not shared:
+            raise HandoffError(problem)
+        kv = assemble(split_frames(shared), spec.handoff_id, spec.start_pos)
+        return layer_range(kv, shard.start_layer, shard.end_layer)
+
     def _imported_cache(self, sequence: _Sequence) -> tuple[list[Any], int] | None:
         """The cache a handoff filled (all prompt tokens but the last), or None (then says why)."""
+        imported = self._try_import(sequence)
+        if self.lockstep is not None and self.lockstep.fewest([int(imported is not None)]) == [0]:
+            if imported is not None:  # every rank uses the handoff, or none does
+                sequence.fallback = "another pipeline rank could not use the handoff"
+                log.warning("request %s: %s, prefilling here", sequence.request.request_id, sequence.fallback)
+            return None
+        return imported
+
+    def _try_import(self, sequence: _Sequence) -> tuple[list[Any], int] | None:
         spec = sequence.request.kv_import
         assert spec is not None
         prompt = list(sequence.request.prompt_token_ids)
         try:
-            kv = assemble(read_folder(spec.folder), spec.handoff_id, spec.start_pos)
+            kv = self._handoff_kv(spec)
             if kv.end != len(prompt) - 1:
                 raise HandoffError(f"handoff ends at token {kv.end}, the prompt needs {len(prompt) - 1}")
             cache, hit = make_prompt_cache(self.model), 0
@@ -490,18 +546,19 @@ class MlxEngine:
             )
             return None
 
-    def _reusable_limits(self, group: list[_Sequence]) -> list[int | None]:
+    def _reusable_limits(self, prompts: list[Sequence[int]]) -> list[int | None]:
         """How much of each prompt's cached prefix to reuse: all of it alone; in a pipeline what every
         rank holds (each rank's memory evicts by its own blocks' sizes), so all prefill alike."""
         if self.lockstep is None:
-            return [None] * len(group)
+            return [None] * len(prompts)
         store = self._prefixes
-        held = [store.reusable_tokens(s.request.prompt_token_ids) if store else 0 for s in group]
+        held = [store.reusable_tokens(prompt) if store else 0 for prompt in prompts]
         return list(self.lockstep.fewest(held))
 
     def _prefill(self, group: list[_Sequence]) -> GenerationBatch:
         caches, history, rest = [], [], []
-        for sequence, limit in zip(group, self._reusable_limits(group), strict=True):
+        limits = self._reusable_limits([s.request.prompt_token_ids for s in group])
+        for sequence, limit in zip(group, limits, strict=True):
             prompt = list(sequence.request.prompt_token_ids)
             imported = self._imported_cache(sequence) if sequence.request.kv_import else None
             cache, hit = make_prompt_cache(self.model), 0

@@ -11,17 +11,29 @@ attention layers' arrays (ArraysCache: conv and recurrent state).
 
 Import: the rows are appended to the decoder's own cache (which already holds the first
 start_pos tokens when it asked for a suffix only), the states are set as they came.
+
+In a pipeline (mlx_pipeline) each rank computes only its layers' KV: an export's rows go through a
+RankWriter, which gathers every rank's part to rank 0 to be written as one chunk, and an import is
+shared by rank 0 with the others, each taking its layers' part (`layer_range`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from fleet_store.handoff import AssembledKV, HandoffError, HandoffWriter, LayerState
+from fleet_store.handoff import (
+    AssembledKV,
+    HandoffChunk,
+    HandoffError,
+    HandoffWriter,
+    LayerState,
+    decode_chunk,
+)
 from fleet_store.kv import KVBlobError, WireTensor
 from fleet_worker.engines.mlx_kv import WIRE_TO_MLX, from_wire, to_wire
 
@@ -114,6 +126,53 @@ def apply_handoff(cache: list[object], kv: AssembledKV, dtype: mx.Dtype) -> list
     return cache
 
 
+class Gathering(Protocol):
+    def gather_bytes(self, payload: bytes) -> list[bytes]: ...
+
+
+class RankWriter:
+    """One pipeline rank's side of a handoff's chunks. A rank holds its own layers only: their rows
+    are renumbered to the model's layer indices and gathered over the ring to rank 0, which writes
+    every rank's part as one chunk (rank 0 is the pipeline's one handoff endpoint, so a decoder
+    reads what one process would have written). Every rank calls kv and states at the same points,
+    even with nothing of its own to add: the gathers are collective."""
+
+    def __init__(
+        self, ring: Gathering, handoff_id: str, first_layer: int, writer: HandoffWriter | None
+    ) -> None:
+        self.handoff_id = handoff_id
+        self._ring = ring
+        self._first_layer = first_layer
+        self._writer = writer  # rank 0's; None on the others
+
+    def _gathered(self, chunk: HandoffChunk) -> list[HandoffChunk]:
+        parts = self._ring.gather_bytes(chunk.encode())
+        return [decode_chunk(part, self.handoff_id) for part in parts] if self._writer else []
+
+    def kv(
+        self, token_start: int, token_end: int, layers: Mapping[int, tuple[WireTensor, WireTensor]]
+    ) -> None:
+        mine = {self._first_layer + i: pair for i, pair in layers.items()}
+        parts = self._gathered(HandoffChunk(self.handoff_id, 0, "kv", token_start, token_end, kv=mine))
+        if self._writer is not None:
+            self._writer.kv(token_start, token_end, {i: p for part in parts for i, p in part.kv.items()})
+
+    def states(self, token_end: int, states: Mapping[int, LayerState]) -> None:
+        mine = {self._first_layer + i: state for i, state in states.items()}
+        parts = self._gathered(HandoffChunk(self.handoff_id, 0, "state", token_end, token_end, states=mine))
+        merged = {i: state for part in parts for i, state in part.states.items()}
+        if self._writer is not None and merged:
+            self._writer.states(token_end, merged)
+
+    def done(self, token_start: int, token_end: int) -> None:
+        if self._writer is not None:
+            self._writer.done(token_start, token_end)
+
+    def error(self, reason: str) -> None:
+        if self._writer is not None:
+            self._writer.error(reason)
+
+
 @dataclass(eq=False)
 class Export:
     """One prefill-only request: its cache, how far it has got, and where its chunks go."""
@@ -122,7 +181,7 @@ class Export:
     prompt: list[int]
     start_pos: int  # the first row to hand over
     end: int  # rows up to here (the prompt but its last token)
-    writer: HandoffWriter
+    writer: HandoffWriter | RankWriter
     wire_dtype: str
     cache: list[object]
     position: int  # tokens already in the cache
@@ -145,7 +204,8 @@ class Export:
             mx.eval([layer.state for layer in self.cache])
             self.position = stop
         plain = {i: layer for i, layer in enumerate(self.cache) if type(layer) is KVCache}
-        if self.position > self.sent_until and plain:
+        collective = isinstance(self.writer, RankWriter)
+        if self.position > self.sent_until and (plain or collective):
             rows = {
                 i: layer_rows(layer, self.sent_until, self.position, self.wire_dtype)
                 for i, layer in plain.items()
@@ -156,6 +216,6 @@ class Export:
             states = {
                 i: layer_state(layer, self.wire_dtype) for i, layer in enumerate(self.cache) if i not in plain
             }
-            if states:
+            if states or collective:
                 self.writer.states(self.end, states)
             self.writer.done(self.start_pos, self.end)

@@ -80,6 +80,22 @@ class Ring:
             mx.eval(shared)
             return bytes(np.array(shared, copy=False))
 
+    def gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's payload, in rank order, on every rank (lengths first, then the bytes padded
+        to the longest: all_gather wants one shape)."""
+        with mx.stream(self.stream):
+            length = mx.array([len(payload)], dtype=mx.int32)
+            lengths = mx.distributed.all_gather(length, group=self.group).tolist()
+            longest = max(lengths)
+            if longest == 0:
+                return [b""] * self.size
+            padded = np.zeros(longest, dtype=np.uint8)
+            padded[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            every = mx.distributed.all_gather(mx.array(padded), group=self.group)
+            mx.eval(every)
+            flat = np.array(every, copy=False)
+            return [bytes(flat[r * longest : r * longest + n]) for r, n in enumerate(lengths)]
+
     def fewest(self, counts: list[int]) -> list[int]:
         """Each position's smallest count over all ranks (every rank passes as many counts)."""
         if not counts:
