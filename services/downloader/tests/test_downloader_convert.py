@@ -63,6 +63,7 @@ def test_conversion_is_reproducible_and_atomic(converted, gguf_path, work_dir):
     assert sha256_of(converted / "model.safetensors") == MODEL_SAFETENSORS_SHA256
     assert converted == converted_folder(gguf_path, work_dir)
     assert sorted(p.name for p in converted.iterdir()) == [
+        "SmolLM2-135M-Instruct.Q4_1.gguf",  # kept beside the conversion, for llama.cpp
         "chat_template.jinja",
         "config.json",
         "generation_config.json",
@@ -70,6 +71,7 @@ def test_conversion_is_reproducible_and_atomic(converted, gguf_path, work_dir):
         "tokenizer.json",
         "tokenizer_config.json",
     ]
+    assert (converted / gguf_path.name).stat().st_size == gguf_path.stat().st_size
     # Only the finished folder is left: no half-built temp folder beside it.
     assert [p.name for p in converted.parent.iterdir()] == [converted.name]
 
@@ -101,7 +103,7 @@ def test_weights_are_bf16_safetensors_of_every_layer(converted):
     assert "model.layers.29.self_attn.k_proj.weight" in names
     assert str(embed.dtype) == "torch.bfloat16"
     assert tuple(embed.shape) == (49152, 576)
-    size = sum(p.stat().st_size for p in converted.iterdir())
+    size = sum(p.stat().st_size for p in converted.iterdir() if p.suffix != ".gguf")
     assert 260e6 < size < 290e6
 
 

@@ -134,13 +134,14 @@ def _quantization(config: Mapping[str, Any], publisher: str) -> str:
     return ""
 
 
-def _supported_engines(quantization: str) -> tuple[str, ...]:
+def _supported_engines(quantization: str, paths: set[str]) -> tuple[str, ...]:
     """Which engines can load the staged weights.
 
     Staged models are Hugging Face safetensors folders (the downloader converts GGUF first), and
     mlx-lm loads most architectures, so: "mlx" unless the weights use a non-MLX quantization
     (fp8, awq, gptq ... which mlx-lm cannot load); "vllm" unless they are MLX-quantized (vLLM cannot
-    load MLX's packed weights).
+    load MLX's packed weights); "llamacpp" when the folder also holds one top-level GGUF file (a
+    model staged from a GGUF keeps it beside the conversion).
     """
     mlx_quantized = quantization.startswith("mlx-")
     engines = []
@@ -148,6 +149,8 @@ def _supported_engines(quantization: str) -> tuple[str, ...]:
         engines.append("mlx")
     if not mlx_quantized:
         engines.append("vllm")
+    if len([p for p in paths if "/" not in p and p.endswith(".gguf")]) == 1:
+        engines.append("llamacpp")
     return tuple(engines)
 
 
@@ -250,5 +253,5 @@ def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = N
         base_model=_base_model(model_id, config),
         has_tokenizer="tokenizer.json" in paths,
         has_chat_template=_has_chat_template(model_id, paths, texts),
-        supported_engines=_supported_engines(quantization),
+        supported_engines=_supported_engines(quantization, paths),
     )

@@ -6,6 +6,8 @@ Blocking (file I/O, torch, S3): the service runs it with asyncio.to_thread.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 
 from fleet_downloader.convert import CONVERTER_VERSION, gguf_to_hf_folder
@@ -39,6 +41,21 @@ def converted_folder(gguf: Path, work_dir: Path) -> Path:
     return work_dir / "converted" / f"{sha256_file(gguf)[:24]}-v{CONVERTER_VERSION}"
 
 
+def keep_gguf(gguf: Path, folder: Path) -> None:
+    """The GGUF beside its conversion, for engines that serve it as it is (llama.cpp): a hard link
+    where the file system allows one, else a copy."""
+    target = folder / gguf.name
+    if target.is_file() and target.stat().st_size == gguf.stat().st_size:
+        return
+    partial = folder / f".{gguf.name}.part"
+    partial.unlink(missing_ok=True)
+    try:
+        os.link(gguf, partial)
+    except OSError:
+        shutil.copyfile(gguf, partial)
+    os.replace(partial, target)
+
+
 def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _ignore) -> Path:
     """A local HF folder with the model `source` names.
 
@@ -62,6 +79,7 @@ def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _i
                 log.info("converting %s to %s", path, out_dir)
                 gguf_to_hf_folder(path, out_dir)
             progress(DownloadPhase.CONVERTING, size, size)
+            keep_gguf(path, out_dir)
             return out_dir
 
 

