@@ -50,7 +50,9 @@ def reference(direct: llama_cpp.Llama, prompt: tuple[int, ...], max_tokens: int)
     direct.reset()
     out: list[int] = []
     for token in direct.generate(list(prompt), top_k=1, temp=0.0, reset=True):
-        if llama_cpp.llama_vocab_is_eog(direct._model.vocab, token) or len(out) == max_tokens:
+        if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(direct.model), token):
+            break
+        if len(out) == max_tokens:
             break
         out.append(token)
     return out

@@ -1,0 +1,122 @@
+"""llama.cpp through the real stack (nats-server, weed mini, Redis, the five services): the default
+model staged from its GGUF (the conversion keeps the file beside it, so its card lists llamacpp),
+an instance on the llamacpp engine, greedy tokens equal to llama-cpp-python called directly on the
+same GGUF, eight streams at once, and a client that hangs up cancels its request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import aiohttp
+import llama_cpp
+import pytest
+
+from fleet_downloader.defaults import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE
+from fleet_downloader.sources import locate, parse_source
+from fleet_local import stack
+from tests.support import TokenTap, call, disconnect_mid_stream, embedded_stack, until_state
+
+pytestmark = pytest.mark.slow
+QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
+    with embedded_stack(tmp_path_factory.mktemp("llamacpp") / "state") as manifest:
+        asyncio.run(serve(manifest.gateway_url))
+        yield manifest
+
+
+async def serve(gateway: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await call(
+            session, "POST", f"{gateway}/models", {"model": DEFAULT_MODEL_ID, "source": DEFAULT_MODEL_SOURCE}
+        )
+
+        def staged(state: dict) -> bool:
+            card = state["models"].get(DEFAULT_MODEL_ID)
+            return card is not None and bool(state["nodes"])
+
+        state = await until_state(session, gateway, staged, 300)
+        assert "llamacpp" in state["models"][DEFAULT_MODEL_ID]["supported_engines"]
+        body = {"model": DEFAULT_MODEL_ID, "engine": "llamacpp"}
+        instance_id = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
+
+        def ready(state: dict) -> bool:
+            instance = state["instances"].get(instance_id, {})
+            assert instance.get("status") != "failed", instance
+            return instance.get("status") == "ready"
+
+        await until_state(session, gateway, ready, 300)
+
+
+def direct_greedy(prompt: list[int], max_tokens: int) -> list[int]:
+    """llama-cpp-python's own generate loop on the packaged GGUF, up to an end-of-generation token."""
+    gguf = locate(parse_source(DEFAULT_MODEL_SOURCE)).path
+    model = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=2, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(model.model)
+    out: list[int] = []
+    for token in model.generate(prompt, top_k=1, temp=0.0):
+        if llama_cpp.llama_vocab_is_eog(vocab, token) or len(out) == max_tokens:
+            break
+        out.append(token)
+    return out
+
+
+def test_greedy_tokens_through_the_stack_equal_llama_cpp_python(cluster: stack.StackManifest) -> None:
+    gguf = locate(parse_source(DEFAULT_MODEL_SOURCE)).path
+    vocab_only = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    prompt = vocab_only.tokenize(QUESTION.encode(), add_bos=False, special=True)
+
+    async def complete() -> tuple[dict, list[int]]:
+        body = {"model": DEFAULT_MODEL_ID, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        async with TokenTap(cluster.nats_url) as tap, aiohttp.ClientSession() as session:
+            reply = await call(session, "POST", f"{cluster.gateway_url}/v1/completions", body)
+            await asyncio.sleep(0.2)
+        return reply, tap.token_ids(reply["id"])
+
+    reply, tokens = asyncio.run(complete())
+    assert tokens == direct_greedy(prompt, 16) and len(tokens) > 3
+    assert "Paris" in reply["choices"][0]["text"]
+
+
+def test_eight_streams_at_once_all_finish(cluster: stack.StackManifest) -> None:
+    async def stream(session: aiohttp.ClientSession, n: int) -> str:
+        body = {
+            "model": DEFAULT_MODEL_ID,
+            "messages": [{"role": "user", "content": f"Count from {n} to {n + 5}."}],
+            "max_tokens": 24,
+            "stream": True,
+        }
+        text = ""
+        async with session.post(f"{cluster.gateway_url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    return text
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        text += choice["delta"].get("content") or ""
+        raise AssertionError("the stream ended without [DONE]")
+
+    async def all_at_once() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(stream(session, n) for n in range(8)))
+
+    texts = asyncio.run(all_at_once())
+    assert len(texts) == 8 and all(texts)
+
+
+def test_a_client_that_hangs_up_cancels_its_request(cluster: stack.StackManifest) -> None:
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a long story about the sea."}],
+        "max_tokens": 3000,
+        "temperature": 0.8,
+        "stream": True,
+    }
+    last, tokens = asyncio.run(disconnect_mid_stream(cluster, body))
+    assert last.finish_reason == "cancelled" and tokens < 3000
