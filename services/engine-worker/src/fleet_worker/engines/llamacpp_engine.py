@@ -17,8 +17,15 @@ recently used first, when a reservation needs its cells.
 
 Stop, usage and timings follow the MLX engine: a request stops at an end-of-generation token of the
 vocabulary (llama_vocab_is_eog), an EOS id of the model folder's config, or one of its
-stop_token_ids; token_ids never hold that token, completion_tokens counts it. Disaggregation and
-the shared KV tier are not served: requests with `export` / `kv_import` are refused or prefilled here.
+stop_token_ids; token_ids never hold that token, completion_tokens counts it.
+
+Disaggregation between llama.cpp instances of the same GGUF: a prefill-only request (`export`)
+fills its slot with all prompt tokens but the last, then its rows [start_pos, end) leave as handoff
+chunks (read with llama_state_seq_get_data, converted by llamacpp_kv); a request with `kv_import`
+gets the handed-over rows written into a free slot (llama_state_seq_set_data) and feeds only its
+last prompt token. A handoff it cannot use (corrupt, another layout, not from position 0) is logged
+and the prompt prefilled here, with the reason in the last output's handoff.fallback. The shared
+KV tier is not served: the KV stays in the slots.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from fleet_proto import HandoffStats
+from fleet_store.handoff import HandoffError, HandoffWriter, assemble, read_folder
+from fleet_store.kv import KVBlobError, WireTensor
 from fleet_worker.engines.base import (
     EngineOutput,
     EngineRequest,
@@ -43,11 +53,21 @@ from fleet_worker.engines.base import (
     physical_cores,
     request_problem,
 )
+from fleet_worker.engines.llamacpp_kv import (
+    GGML_TYPES,
+    WIRE_TO_GGML,
+    SeqKV,
+    SeqStateError,
+    converted,
+    parse_seq_state,
+    seq_state,
+)
 from fleet_worker.engines.numpy_sampling import Sampler, log_softmax, penalized, token_logprob
 
 log = logging.getLogger("fleet_worker.llamacpp")
 
 DEFAULT_N_CTX = 32768
+EXPORT_CHUNK_ROWS = 256  # rows per handoff chunk: the decoder verifies and reads them as they come
 
 
 class LlamaCppError(RuntimeError):
@@ -95,6 +115,13 @@ class _Sequence:
     admitted_at: float = 0.0
     prompt_time_s: float = 0.0
     first_token_at: float = 0.0
+    fallback: str = ""  # why a handed-over KV could not be used (the prompt was prefilled here)
+
+    @property
+    def feed_until(self) -> int:
+        """Prompt tokens to feed: all of them, or all but the last for a prefill-only request."""
+        prompt = len(self.request.prompt_token_ids)
+        return prompt - 1 if self.request.export is not None else prompt
 
     @property
     def reserved(self) -> int:
@@ -114,6 +141,7 @@ class _Sequence:
             prompt_time_s=self.prompt_time_s,
             decode_time_s=decode_time_s,
             prefix_cached_tokens=self.cached_tokens,
+            handoff=HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None,
             logprobs=logprobs,
         )
 
@@ -172,14 +200,16 @@ class LlamaCppEngine:
         self._running: list[_Sequence] = []  # admitted, in admission order
         self._pending: list[EngineOutput] = []
         self._steps = 0
+        self.kv_heads = int(llama_cpp.llama_model_n_head_kv(self._model))
+        self._kv_layout, self.kv_problem = self._probe_kv_layout()
 
     # -- the Engine interface ------------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
         problem = request_problem(request, self.vocab_size)
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
-        if not problem and request.export is not None:
-            problem = "the llamacpp engine does not hand KV over (disaggregation)"
+        if not problem and request.export is not None and self.kv_problem:
+            problem = self.kv_problem
         window = min(self.n_ctx, self.context_length)
         if not problem and len(request.prompt_token_ids) + request.sampling.max_tokens > window:
             problem = (
@@ -252,13 +282,17 @@ class LlamaCppEngine:
             if not self._make_room(sequence.reserved, keep=slot):
                 return
             self._waiting.popleft()
-            if not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, reuse, -1):
+            sequence.admitted_at = time.perf_counter()
+            imported = 0
+            if sequence.request.kv_import is not None:  # the slot's own KV gives way either way
+                imported = reuse = self._import(sequence, slot)
+            if not imported and not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, reuse, -1):
                 llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
                 reuse = 0
             del slot.tokens[reuse:]
             slot.busy = True
-            sequence.slot, sequence.fed, sequence.cached_tokens = slot, reuse, reuse
-            sequence.admitted_at = time.perf_counter()
+            sequence.slot, sequence.fed = slot, reuse
+            sequence.cached_tokens = 0 if imported else reuse  # handed over, not cached
             self._running.append(sequence)
 
     def _make_room(self, cells: int, keep: _Slot) -> bool:
@@ -299,22 +333,25 @@ class LlamaCppEngine:
             if sequence.pending >= 0:
                 put(sequence, sequence.pending, True)
         for sequence in self._running:
-            prompt = sequence.request.prompt_token_ids
-            if sequence.pending >= 0 or sequence.fed >= len(prompt):
+            prompt, until = sequence.request.prompt_token_ids, sequence.feed_until
+            if sequence.pending >= 0 or sequence.fed >= until:
                 continue
-            take = min(len(prompt) - sequence.fed, self.n_batch - n)
+            take = min(until - sequence.fed, self.n_batch - n)
             if take <= 0:
                 break
             for i in range(sequence.fed, sequence.fed + take):
                 put(sequence, prompt[i], i == len(prompt) - 1)
             sequence.fed += take
-            if sequence.fed < len(prompt):
+            if sequence.fed < until:
                 progress.append(sequence)
         batch.n_tokens = n
-        code = llama_cpp.llama_decode(self._ctx, batch)
-        if code != 0:
-            return self._fail_batch(f"llama_decode failed with code {code}")
+        if n:
+            code = llama_cpp.llama_decode(self._ctx, batch)
+            if code != 0:
+                return self._fail_batch(f"llama_decode failed with code {code}")
         outputs = [self._sample(i, sequence) for i, sequence in rows]
+        exported = [s for s in self._running if s.request.export is not None and s.fed >= s.feed_until]
+        outputs += [self._export(sequence) for sequence in exported]
         for sequence in progress:
             outputs.append(
                 EngineOutput(
@@ -372,3 +409,122 @@ class LlamaCppEngine:
             or token in stop_token_ids
             or bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
         )
+
+    # -- disaggregation ----------------------------------------------------------------------------
+    def _seq_state(self, seq_id: int) -> bytes:
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
+        return bytes(buffer[:written])
+
+    def _probe_kv_layout(self) -> tuple[SeqKV | None, str]:
+        """The cache's layout (types, V transposed or not), read off a one-token sequence, or why
+        its KV cannot be handed over."""
+        slot = self._slots[0]
+        batch = self._batch
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.seq_id[0][0], batch.logits[0] = 0, 0, 1, 0, 0
+        try:
+            if llama_cpp.llama_decode(self._ctx, batch) != 0:
+                return None, "llama.cpp could not run a probe token"
+            return parse_seq_state(self._seq_state(slot.seq_id)), ""
+        except SeqStateError as error:
+            return None, f"this llama.cpp cache cannot be handed over: {error}"
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+
+    def _export(self, sequence: _Sequence) -> EngineOutput:
+        """Write a prefill-only request's rows [start_pos, end) as handoff chunks; its final output."""
+        spec, slot = sequence.request.export, sequence.slot
+        assert spec is not None and slot is not None
+        writer = HandoffWriter(spec.folder, spec.handoff_id)
+        end = sequence.feed_until
+        self._end(sequence)
+        try:
+            kv = parse_seq_state(self._seq_state(slot.seq_id))
+            if not np.array_equal(kv.positions, np.arange(end)):
+                raise SeqStateError(f"the slot holds positions {kv.positions[:3]}..., not 0..{end - 1}")
+            source = GGML_TYPES[kv.k_type][0]
+            wire = spec.wire_dtype or source
+            for start in range(spec.start_pos, end, EXPORT_CHUNK_ROWS):
+                stop = min(start + EXPORT_CHUNK_ROWS, end)
+                writer.kv(
+                    start,
+                    stop,
+                    {i: self._wire_rows(kv, i, start, stop, source, wire) for i in range(len(kv.keys))},
+                )
+            writer.done(spec.start_pos, end)
+        except (SeqStateError, HandoffError, KVBlobError, KeyError) as error:
+            writer.error(str(error))
+            return sequence.output(finish_reason="error", error=f"handoff export failed: {error}")
+        sequence.prompt_time_s = time.perf_counter() - sequence.admitted_at
+        return sequence.output(finish_reason="length")
+
+    def _wire_rows(
+        self, kv: SeqKV, layer: int, start: int, stop: int, source: str, wire: str
+    ) -> tuple[WireTensor, WireTensor]:
+        def tensor(rows: np.ndarray) -> WireTensor:
+            data = np.ascontiguousarray(converted(rows, source, wire))
+            return WireTensor(
+                wire, (stop - start, self.kv_heads, rows.shape[1] // self.kv_heads), data.tobytes()
+            )
+
+        return tensor(kv.keys[layer][start:stop]), tensor(kv.values[layer][start:stop])
+
+    def _import(self, sequence: _Sequence, slot: _Slot) -> int:
+        """Write a received handoff into `slot`; the prompt tokens it covers, or 0 (then says why)."""
+        spec = sequence.request.kv_import
+        assert spec is not None
+        prompt = sequence.request.prompt_token_ids
+        try:
+            if self._kv_layout is None:
+                raise HandoffError(self.kv_problem)
+            if spec.start_pos:
+                raise HandoffError("llama.cpp takes whole-prompt handoffs (start_pos 0)")
+            kv = assemble(read_folder(spec.folder), spec.handoff_id, spec.start_pos)
+            if kv.end != len(prompt) - 1:
+                raise HandoffError(f"handoff ends at token {kv.end}, the prompt needs {len(prompt) - 1}")
+            if kv.states or sorted(kv.rows) != list(range(len(self._kv_layout.keys))):
+                raise HandoffError(f"handoff layers {sorted(kv.rows)} are not this model's")
+            layout = self._kv_layout
+            target = GGML_TYPES[layout.k_type][0]
+
+            def joined(pieces: list[WireTensor]) -> np.ndarray:
+                arrays = [
+                    np.frombuffer(t.data, dtype=GGML_TYPES[_ggml(t.dtype)][1]).reshape(t.shape[0], -1)
+                    for t in pieces
+                ]
+                return converted(np.concatenate(arrays), pieces[0].dtype, target)
+
+            rows = [kv.rows[i] for i in range(len(layout.keys))]
+            state = SeqKV(
+                np.arange(kv.end, dtype=np.int32),
+                tuple(joined([k for k, _ in pairs]) for pairs in rows),
+                tuple(joined([v for _, v in pairs]) for pairs in rows),
+                layout.k_type,
+                layout.v_type,
+                layout.v_trans,
+            )
+            if any(k.shape[1] != want.shape[1] for k, want in zip(state.keys, layout.keys, strict=True)):
+                raise HandoffError("the handoff's rows are not this model's width")
+            data = seq_state(state, slot.seq_id)
+            buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            if not llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(data), slot.seq_id):
+                raise HandoffError("llama.cpp refused the handed-over state")
+        except (HandoffError, KVBlobError, SeqStateError, ValueError) as error:
+            sequence.fallback = str(error)
+            log.warning(
+                "request %s: handoff not used, prefilling here: %s", sequence.request.request_id, error
+            )
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+            slot.tokens.clear()
+            return 0
+        slot.tokens[:] = prompt[: kv.end]
+        return kv.end
+
+
+def _ggml(wire: str) -> int:
+    try:
+        return WIRE_TO_GGML[wire]
+    except KeyError:
+        raise HandoffError(f"wire dtype {wire} cannot go into a llama.cpp cache") from None
