@@ -218,6 +218,18 @@ async def until_state(session: aiohttp.ClientSession, gateway: str, predicate, t
         await asyncio.sleep(0.2)
 
 
+async def until_ready(session: aiohttp.ClientSession, gateway: str, instance_id: str) -> dict:
+    """Wait for the instance to be ready (fails at once if it fails); its entry in /state."""
+
+    def ready(state: dict) -> bool:
+        instance = state["instances"].get(instance_id, {})
+        assert instance.get("status") != "failed", instance
+        return instance.get("status") == "ready"
+
+    state = await until_state(session, gateway, ready, 300)
+    return state["instances"][instance_id]
+
+
 def engine_children(worker_pid: int) -> list[int]:
     """PIDs of a worker's live engine processes (multiprocessing's spawn children; a killed one
     that is not reaped yet is left out)."""

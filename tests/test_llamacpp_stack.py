@@ -21,7 +21,15 @@ from fleet_downloader.defaults import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE
 from fleet_downloader.sources import locate, parse_source
 from fleet_local import stack
 from fleet_local.processes import spawn, stop_pid
-from tests.support import TokenTap, call, disconnect_mid_stream, embedded_stack, until_state, worker_env
+from tests.support import (
+    TokenTap,
+    call,
+    disconnect_mid_stream,
+    embedded_stack,
+    until_ready,
+    until_state,
+    worker_env,
+)
 
 pytestmark = pytest.mark.slow
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -56,13 +64,7 @@ async def serve(gateway: str) -> None:
             shards = [{"node_id": node, "start_layer": 0, "end_layer": 30}]
             body = {"model": DEFAULT_MODEL_ID, "engine": "llamacpp", "shards": shards, "role": role}
             instance_id = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
-
-            def ready(state: dict, instance_id: str = instance_id) -> bool:
-                instance = state["instances"].get(instance_id, {})
-                assert instance.get("status") != "failed", instance
-                return instance.get("status") == "ready"
-
-            await until_state(session, gateway, ready, 300)
+            await until_ready(session, gateway, instance_id)
 
 
 def direct_greedy(prompt: list[int], max_tokens: int) -> list[int]:

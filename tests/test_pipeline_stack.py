@@ -33,7 +33,7 @@ from fleet_local import stack
 from fleet_local.processes import free_port, spawn, stop_pid
 from fleet_proto import InstanceFailed
 from fleet_proto.subjects import event_subject
-from tests.support import call, embedded_stack, engine_children, until_state, worker_env
+from tests.support import call, embedded_stack, engine_children, until_ready, until_state, worker_env
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow."]
@@ -101,16 +101,6 @@ async def create(session: aiohttp.ClientSession, gateway: str, shards: list[dict
     instance_id = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
     await until_ready(session, gateway, instance_id)
     return instance_id
-
-
-async def until_ready(session: aiohttp.ClientSession, gateway: str, instance_id: str) -> dict:
-    def ready(state: dict) -> bool:
-        instance = state["instances"].get(instance_id, {})
-        assert instance.get("status") != "failed", instance
-        return instance.get("status") == "ready"
-
-    state = await until_state(session, gateway, ready, 300)
-    return state["instances"][instance_id]
 
 
 async def delete(session: aiohttp.ClientSession, gateway: str, instance_id: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Protocol
 import msgspec
 import psutil
 
-from fleet_proto import SamplingParams
+from fleet_proto import HandoffStats, SamplingParams
 from fleet_proto.messages import GenerationOutput
 
 
@@ -66,6 +67,37 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 # What step() returns per request: the wire TokenChunk without its sequence number.
 EngineOutput = GenerationOutput
+
+
+@dataclass(eq=False, kw_only=True)
+class RequestProgress:
+    """One request inside an engine: what it has produced, its clocks, and its outputs (timings are
+    cumulative: prompt = admission to first token, decode = since the first token)."""
+
+    request: EngineRequest
+    generated: int = 0  # tokens the model produced, a stop token included
+    prompt_time_s: float = 0.0
+    first_token_at: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV came from a cache
+    fallback: str = ""  # why a handed-over KV could not be used (the prompt was prefilled here)
+
+    def output(
+        self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "", logprobs: tuple = ()
+    ) -> GenerationOutput:
+        decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
+        return GenerationOutput(
+            request_id=self.request.request_id,
+            token_ids=tokens,
+            finish_reason=finish_reason,
+            error=error,
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=self.generated,
+            prompt_time_s=self.prompt_time_s,
+            decode_time_s=decode_time_s,
+            prefix_cached_tokens=self.cached_tokens,
+            handoff=HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None,
+            logprobs=logprobs,
+        )
 
 
 class KVChanges(msgspec.Struct, frozen=True, kw_only=True):

@@ -40,7 +40,6 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from fleet_proto import HandoffStats
 from fleet_store.handoff import HandoffError, HandoffWriter, assemble, read_folder
 from fleet_store.kv import KVBlobError, WireTensor
 from fleet_worker.engines.base import (
@@ -48,6 +47,7 @@ from fleet_worker.engines.base import (
     EngineRequest,
     KVChanges,
     LoadProgress,
+    RequestProgress,
     eos_token_ids,
     error_output,
     physical_cores,
@@ -103,19 +103,13 @@ class _Slot:
 
 
 @dataclass(eq=False)
-class _Sequence:
-    request: EngineRequest
+class _Sequence(RequestProgress):
     sampler: Sampler
     slot: _Slot | None = None
     fed: int = 0  # prompt tokens in the KV cache (the prompt is prefilled from here)
-    cached_tokens: int = 0  # of them, reused from the slot's earlier sequence
-    generated: int = 0  # tokens the model produced, a stop token included
     pending: int = -1  # the last sampled token, to be fed on the next step
     seen: list[int] = field(default_factory=list)  # prompt and completion (repetition penalty)
     admitted_at: float = 0.0
-    prompt_time_s: float = 0.0
-    first_token_at: float = 0.0
-    fallback: str = ""  # why a handed-over KV could not be used (the prompt was prefilled here)
 
     @property
     def feed_until(self) -> int:
@@ -126,24 +120,6 @@ class _Sequence:
     @property
     def reserved(self) -> int:
         return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
-
-    def output(
-        self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "", logprobs: tuple = ()
-    ) -> EngineOutput:
-        decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
-        return EngineOutput(
-            request_id=self.request.request_id,
-            token_ids=tokens,
-            finish_reason=finish_reason,
-            error=error,
-            prompt_tokens=len(self.request.prompt_token_ids),
-            completion_tokens=self.generated,
-            prompt_time_s=self.prompt_time_s,
-            decode_time_s=decode_time_s,
-            prefix_cached_tokens=self.cached_tokens,
-            handoff=HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None,
-            logprobs=logprobs,
-        )
 
 
 class LlamaCppEngine:
@@ -219,7 +195,7 @@ class LlamaCppEngine:
         if problem:
             self._pending.append(error_output(request, problem))
             return
-        sequence = _Sequence(request, Sampler(request.sampling), seen=list(request.prompt_token_ids))
+        sequence = _Sequence(Sampler(request.sampling), request=request, seen=list(request.prompt_token_ids))
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
 

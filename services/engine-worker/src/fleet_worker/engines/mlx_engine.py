@@ -51,7 +51,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from fleet_proto import HandoffStats, SamplingParams
+from fleet_proto import SamplingParams
 from fleet_proto.messages import TokenLogprob
 from fleet_store.handoff import (
     AssembledKV,
@@ -72,6 +72,7 @@ from fleet_worker.engines.base import (
     KVImport,
     LoadProgress,
     PrefillProgress,
+    RequestProgress,
     eos_token_ids,
     error_output,
     request_problem,
@@ -110,35 +111,11 @@ def make_seeded_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
 
 
 @dataclass(eq=False)
-class _Sequence:
-    request: EngineRequest
+class _Sequence(RequestProgress):
     uid: int
     sampler: Sampler
     processors: list[Any]
     stop: StopSequences
-    prompt_time_s: float = 0.0
-    first_token_at: float = 0.0
-    generated: int = 0  # tokens the model produced, a stop token included
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix store
-    fallback: str = ""  # why a handed-over KV could not be used (the prompt was prefilled here)
-
-    def output(
-        self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "", logprobs: tuple = ()
-    ) -> EngineOutput:
-        decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
-        return EngineOutput(
-            request_id=self.request.request_id,
-            token_ids=tokens,
-            finish_reason=finish_reason,
-            error=error,
-            prompt_tokens=len(self.request.prompt_token_ids),
-            completion_tokens=self.generated,
-            prompt_time_s=self.prompt_time_s,
-            decode_time_s=decode_time_s,
-            prefix_cached_tokens=self.cached_tokens,
-            handoff=HandoffStats(fallback=self.fallback) if finish_reason and self.fallback else None,
-            logprobs=logprobs,
-        )
 
 
 def token_logprob(logprobs: mx.array, token: int, k: int) -> TokenLogprob:
@@ -273,7 +250,7 @@ class MlxEngine:
             if params.temperature == 0
             else self._shared(make_seeded_sampler(params, self.vocab_size))
         )
-        sequence = _Sequence(request, self._next_uid, sampler, processors, stop, fallback=fallback)
+        sequence = _Sequence(self._next_uid, sampler, processors, stop, request=request, fallback=fallback)
         self._next_uid += 1
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
