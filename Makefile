@@ -13,10 +13,13 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
 install: $(STAMP)
 
-# Debian packages the product needs (python venv support); skipped when already present.
-APT_PACKAGES := python3-venv
+# Debian packages the product needs: python venv support, and OpenBLAS, which MLX's CPU matmuls run
+# on (15x its bundled BLAS: services/engine-worker/src/fleet_worker/engines/cpu_blas.py); skipped
+# when already present.
+APT_PACKAGES := python3-venv libopenblas0-pthread
 apt:
-	@if command -v apt-get >/dev/null && ! $(PY) -c 'import ensurepip' 2>/dev/null; then \
+	@if command -v apt-get >/dev/null && { ! $(PY) -c 'import ensurepip' 2>/dev/null || \
+		! dpkg -s libopenblas0-pthread >/dev/null 2>&1; }; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); fi
 
 # What the browser tests drive (headless Chromium through its WebDriver); skipped when present.

@@ -19,6 +19,9 @@ from fleet_store import ObjectStore
 # its own fake hub (services/downloader/tests/fake_hub.py). Child processes inherit this.
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+# Workers time only the engine a test loads; timing the node's other engines in the background would
+# load a vLLM beside every MLX instance. The engine choice tests turn "all" on themselves.
+os.environ.setdefault("FLEET_CALIBRATION", "loaded")
 
 
 @pytest.fixture(scope="session")

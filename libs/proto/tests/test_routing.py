@@ -1,15 +1,19 @@
-"""Routing rules: load, MLX-decode preference, base-model matching, prefill endpoints."""
+"""Routing rules: load, the measured (else MLX) decode preference, base-model matching, prefill endpoints."""
 
 from __future__ import annotations
 
 import msgspec
 
 from fleet_proto import (
+    EngineCalibration,
+    EngineInfo,
     Instance,
     InstancePlaced,
     InstanceReady,
     ModelCard,
     ModelStaged,
+    NodeInfo,
+    NodeJoined,
     RouteRequest,
     Shard,
     replay,
@@ -195,3 +199,62 @@ def test_llama_cpp_hands_kv_only_to_llama_cpp():
     assert route(same, LONG, {}).prefill_instance_id == "p"
     for_mlx = state_of(*ready("d", role="decode"), *ready("p", role="prefill", engine="llamacpp"))
     assert route(for_mlx, LONG, {}).prefill_instance_id == ""
+
+
+def joined(node_id: str, *speeds: tuple[str, float, float]) -> NodeJoined:
+    """A node whose worker measured (engine, prefill tok/s, decode tok/s) on model m."""
+    calibrations = tuple(
+        EngineCalibration(
+            engine=engine,
+            engine_version="1",
+            model_id="m",
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=decode,
+            prompt_tokens=128,
+            completion_tokens=32,
+            at=1.0,
+        )
+        for engine, prefill, decode in speeds
+    )
+    engines = tuple(EngineInfo(name=e, version="1") for e, _, _ in speeds)
+    info = NodeInfo(
+        node_id=node_id,
+        hostname=node_id,
+        system="Linux",
+        machine="x86_64",
+        cpu_count=2,
+        memory_total_bytes=1,
+        memory_available_bytes=1,
+        disk_total_bytes=1,
+        disk_free_bytes=1,
+        engines=engines,
+        calibrations=calibrations,
+    )
+    return NodeJoined(node=info)
+
+
+def test_the_engine_measured_to_decode_fastest_is_preferred_over_mlx():
+    state = state_of(
+        joined("n-a", ("llamacpp", 150, 44)),
+        joined("n-b", ("mlx", 260, 15)),
+        *ready("a", engine="llamacpp"),
+        *ready("b", engine="mlx"),
+    )
+    reply = route(state, REQUEST, {"a": 5000, "b": 0})
+    assert reply.instance_id == "a" and "llamacpp" in reply.reason
+
+
+def test_the_mlx_preference_holds_while_any_candidate_is_unmeasured():
+    state = state_of(joined("n-a", ("llamacpp", 150, 44)), *ready("a", engine="llamacpp"), *ready("b"))
+    assert route(state, REQUEST, {"a": 5000, "b": 0}).instance_id == "b"
+
+
+def test_the_prefill_partner_measured_fastest_at_prefill_is_preferred_over_vllm():
+    state = state_of(
+        joined("n-v", ("vllm", 400, 12)),
+        joined("n-m2", ("mlx", 900, 15)),
+        *ready("v", engine="vllm"),
+        *ready("m2", engine="mlx"),
+        *ready("d", role="decode", engine="mlx"),
+    )
+    assert route(state, LONG, {}).prefill_instance_id == "m2"

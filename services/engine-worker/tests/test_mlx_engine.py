@@ -205,6 +205,20 @@ def test_eos_of_generation_config_stops(model_dir: Path, tmp_path: Path, referen
     assert final["e"].finish_reason == "stop"
 
 
+def test_ignore_eos_generates_through_end_of_sequence(
+    model_dir: Path, tmp_path: Path, reference: tuple[object, object]
+):
+    expected = reference_greedy(reference, PROMPTS[0])
+    folder = shutil.copytree(model_dir, tmp_path / "model")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, expected[3]]}))
+    engine = MlxEngine(folder)
+    try:
+        tokens, final = run(engine, [request("e", PROMPTS[0], greedy(16, ignore_eos=True))])
+    finally:
+        engine.close()
+    assert tokens["e"] == expected and final["e"].finish_reason == "length"
+
+
 def test_cancel_frees_the_slot(model_dir: Path, reference: tuple[object, object]):
     engine = MlxEngine(model_dir, max_batch_size=1)
     try:

@@ -23,8 +23,14 @@ def test_sampling_maps_like_the_seed() -> None:
     assert kwargs == {
         "max_tokens": 50, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
         "repetition_penalty": 1.1, "seed": 3, "stop_token_ids": [2, 7, 9], "logprobs": 2,
-        "detokenize": False, "skip_special_tokens": False,
+        "detokenize": False, "skip_special_tokens": False, "ignore_eos": False,
     }  # fmt: skip
+
+
+def test_ignore_eos_keeps_only_the_asked_stop_tokens() -> None:
+    params = SamplingParams(stop_token_ids=(7,), ignore_eos=True)
+    kwargs = vllm_sampling_kwargs(params, prompt_tokens=10, max_model_len=100, eos_token_ids=[2, 9])
+    assert kwargs["stop_token_ids"] == [7] and kwargs["ignore_eos"] is True
 
 
 def test_max_tokens_is_clamped_to_the_room_left_in_the_context() -> None:

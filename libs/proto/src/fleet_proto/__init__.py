@@ -6,6 +6,7 @@ from fleet_proto.commands import Command, CreateInstance, DeleteInstance, Delete
 from fleet_proto.common import (
     DownloadPhase,
     DownloadStatus,
+    EngineCalibration,
     EngineInfo,
     GpuInfo,
     GpuSample,
@@ -64,6 +65,7 @@ __all__ = [
     "DownloadPhase",
     "DownloadProgressed",
     "DownloadStatus",
+    "EngineCalibration",
     "EngineInfo",
     "Event",
     "EventOrderError",

@@ -16,6 +16,21 @@ class EngineInfo(Frozen):
     version: str
 
 
+class EngineCalibration(Frozen):
+    """How fast one engine ran one model on this node: a fixed greedy request timed when the
+    engine first loaded the model there (fleet_worker.calibration). Placement and routing compare
+    engines by it (fleet_proto.speed)."""
+
+    engine: str
+    engine_version: str
+    model_id: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    prompt_tokens: int  # of the timed request
+    completion_tokens: int
+    at: float  # unix time of the measurement
+
+
 class GpuInfo(Frozen):
     name: str
     vendor: str  # "nvidia" | "apple" | ...
@@ -62,6 +77,7 @@ class NodeInfo(Frozen):
     # reach it, and the first port of its ring port range (0: the node takes no part in pipelines).
     ring_host: str = ""
     ring_port_base: int = 0
+    calibrations: tuple[EngineCalibration, ...] = ()  # measured engine speeds (issue 16)
 
 
 class ServiceKind(StrEnum):
@@ -114,6 +130,8 @@ class Instance(Frozen):
     role: str = "both"  # "prefill" | "decode" | "both" (disaggregation, issue 9)
     # How many times the scheduler placed this instance id again; workers restart a rank when it changes.
     generation: int = 0
+    # The user asked for this engine: the scheduler never moves it to an engine measured faster.
+    engine_pinned: bool = False
 
     @property
     def is_pipeline(self) -> bool:

@@ -17,6 +17,7 @@ class SamplingParams(Frozen):
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # as vLLM's: end-of-sequence tokens do not stop it (stop_token_ids do)
     # None: no log-probabilities; k >= 0: each sampled token's and the k most likely tokens'
     logprobs: int | None = None
 

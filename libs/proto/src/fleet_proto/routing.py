@@ -3,9 +3,10 @@
 The scheduler decides with it; the gateway uses it too when the scheduler does not answer.
 
 Candidates are the ready decode-capable instances of the requested model, else of another model with
-the same base model (e.g. an MLX 4-bit conversion of the same weights). MLX decode is preferred over
-vLLM decode when both exist (seed rule: MLX nodes are the bandwidth-strong decoders); among those
-the lowest cost wins, in tokens (Dynamo's router formula, prefill weight 1):
+the same base model (e.g. an MLX 4-bit conversion of the same weights). The engine that decodes
+fastest is preferred: by the workers' calibrations (fleet_proto.speed) when every candidate is
+measured, else MLX (seed rule: MLX nodes are the bandwidth-strong decoders); among those the lowest
+cost wins, in tokens (Dynamo's router formula, prefill weight 1):
 
     cost = load + (prompt tokens - prompt tokens whose KV the instance's node holds in memory)
 
@@ -17,7 +18,8 @@ much of the prompt object storage (tier 2) holds: any worker can fetch that, so 
 Disaggregation: when the prompt part that the chosen decoder would have to compute (neither in its
 node's memory nor in object storage) is longer than `disagg_min_tokens` (the seed's 1,000), or the
 request asks for it, the prompt is prefilled on another ready instance of the same base model
-(role "prefill" first, then "both"; vLLM first, the compute-strong engine; then least loaded) and
+(role "prefill" first, then "both"; the fastest measured prefill engine, else vLLM, the
+compute-strong one; then least loaded) and
 its KV handed to the decoder. Only engines that can take KV in (KV_IMPORT_ENGINES) decode that way,
 from a partner whose KV is theirs (kv_compatible: llama.cpp only with llama.cpp).
 A pipeline instance (layers split across nodes) takes part like any other: its rank 0, on the
@@ -28,8 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fleet_proto.common import Instance, InstanceStatus
+from fleet_proto.common import EngineCalibration, Instance, InstanceStatus
 from fleet_proto.messages import RouteReply, RouteRequest
+from fleet_proto.speed import calibration
 from fleet_proto.state import State
 
 PREFERRED_DECODE_ENGINE = "mlx"
@@ -57,6 +60,21 @@ def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE
         return exact
     base = base_model(state, model_id)
     return [i for i in ready if base_model(state, i.model_id) == base]
+
+
+def instance_calibration(state: State, instance: Instance) -> EngineCalibration | None:
+    node = state.nodes.get(instance.node_id)
+    return calibration(node, instance.engine, instance.model_id) if node is not None else None
+
+
+def fastest_engines(state: State, instances: list[Instance], speed: str, prior: str) -> tuple[str, ...]:
+    """The engines of `instances` with the highest measured `speed` ("prefill_tokens_per_s" or
+    "decode_tokens_per_s") on their nodes; (prior,) while any of them is unmeasured."""
+    measured = [instance_calibration(state, i) for i in instances]
+    if not instances or any(m is None for m in measured):
+        return (prior,)
+    top = max(getattr(m, speed) for m in measured)
+    return tuple(i.engine for i, m in zip(instances, measured, strict=True) if getattr(m, speed) == top)
 
 
 def route_cost(
@@ -90,11 +108,12 @@ def prefill_partner(
     ]
     if not candidates:
         return None
+    fastest = fastest_engines(state, candidates, "prefill_tokens_per_s", PREFERRED_PREFILL_ENGINE)
     return min(
         candidates,
         key=lambda i: (
             i.role != "prefill",
-            i.engine != PREFERRED_PREFILL_ENGINE,
+            i.engine not in fastest,
             load.get(i.instance_id, 0),
             i.instance_id,
         ),
@@ -115,7 +134,8 @@ def route(
     if not candidates:
         avoided = f" off nodes {', '.join(request.avoid_nodes)}" if request.avoid_nodes else ""
         return RouteReply(error=f"no ready instance of {request.model_id}{avoided}")
-    preferred = [i for i in candidates if i.engine == PREFERRED_DECODE_ENGINE] or candidates
+    fastest = fastest_engines(state, candidates, "decode_tokens_per_s", PREFERRED_DECODE_ENGINE)
+    preferred = [i for i in candidates if i.engine in fastest] or candidates
     chosen = min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, cached), i.instance_id))
     tokens = load.get(chosen.instance_id, 0)
     reason = f"least cost of {len(preferred)} ready {chosen.engine} (load {tokens} tokens"

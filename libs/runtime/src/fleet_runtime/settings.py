@@ -76,6 +76,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Options per engine for the instances a worker loads, as JSON: {"vllm": {"kv_cache_bytes": 268435456}}
     # (the keyword arguments of that engine's class: fleet_worker/engines/).
     engine_options: str = ""
+    # Engine calibration (issue 16): a worker times each engine it loads on each model once (cached in
+    # its state dir, reported in its node info; placement prefers the faster engine). "all": the
+    # loaded engine at once and the node's other engines for that model in the background, one at a
+    # time and memory permitting; "loaded": only the loaded engine; "off": none.
+    calibration: str = "all"
     # The engine-worker's local model cache: least recently used models are evicted beyond it (0: no limit).
     model_cache_bytes: int = 0
     # A command whose consumer died unacked is redelivered after this (a live one renews it).

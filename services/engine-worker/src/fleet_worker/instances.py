@@ -12,12 +12,13 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 
 from fleet_bus import BusUnavailable, Delivery, publish_chunk
 from fleet_proto import (
@@ -49,6 +50,8 @@ from fleet_store import (
 from fleet_store.handoff import append_error
 from fleet_store.kv import manifest_fingerprint
 from fleet_store.layers import files_for_layers
+from fleet_worker.calibration import TIMEOUT_S as CALIBRATION_TIMEOUT_S
+from fleet_worker.calibration import CalibrationStore, calibration_request, final_output, measured
 from fleet_worker.engine_process import EngineProcess, EngineProcessExited
 from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport
 from fleet_worker.handoff import HandoffClient
@@ -83,6 +86,26 @@ def parse_engine_options(raw: str) -> dict[str, dict[str, Any]]:
     if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
         raise EngineOptionsError('FLEET_ENGINE_OPTIONS must map engine names to objects: {"vllm": {...}}')
     return options
+
+
+async def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the worker measures its engines with (calibration.py): where results persist, which
+    engines this node has (name -> version), the FLEET_CALIBRATION mode, and what to call when a
+    result is new (the worker announces its node again)."""
+
+    store: CalibrationStore | None = None
+    engine_versions: Mapping[str, str] = field(default_factory=dict)
+    mode: str = "all"
+    on_calibrated: Callable[[], Awaitable[None]] = _nothing
+
+
+def warm_up_request(request_id: str) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt_token_ids=(0,), sampling=SamplingParams(max_tokens=1))
 
 
 @dataclass(frozen=True)
@@ -198,7 +221,8 @@ class RunningInstance:
         self.handoff_stats: dict[str, HandoffStats] = {}
         self.pump: asyncio.Task[None] | None = None
         self.warmup_id = f"warmup-{instance.instance_id}"
-        self.warmed: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
+        # the worker's own requests (warm-up, calibration): request id -> its final output
+        self.internal: dict[str, asyncio.Future[EngineOutput]] = {}
         self.draining: asyncio.Task[None] | None = None
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
@@ -232,8 +256,16 @@ class InstanceManager:
         kv: WorkerKV | None = None,
         kv_settings: KVSettings | None = None,
         handoffs: HandoffClient | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
         self._ctx = ctx
+        calibration = calibration or Calibration()
+        self._calibrations = calibration.store
+        self._calibration_mode = calibration.mode if calibration.store is not None else "off"
+        self._engine_versions = dict(calibration.engine_versions)
+        self._on_calibrated = calibration.on_calibrated
+        self._calibration_lock = asyncio.Lock()  # one calibration engine process at a time
+        self._calibrating: set[asyncio.Task[None]] = set()
         self._handoffs = handoffs
         self._options = options or {}
         self._kv = kv
@@ -333,6 +365,8 @@ class InstanceManager:
             if rank == 0:
                 await self._status(iid, InstanceStatus.WARMING, 0.0)
                 await self._warm_up(running)
+                if self._calibration_mode != "off":
+                    await self._calibrate_loaded(running)
         except asyncio.CancelledError:  # unloaded (deleted or moved) while loading
             self._restarting.discard(iid)
             self._release(instance)
@@ -367,6 +401,7 @@ class InstanceManager:
         self._running[iid] = running
         if rank == 0:
             await self._publish(InstanceReady(instance_id=iid, origin=ctx.service_id, at=time.time()))
+            self._calibrate_others_later(instance, folder)
         log.info("instance %s of %s ready (engine pid %d, rank %d)", iid, instance.model_id, engine.pid, rank)
 
     async def _loading_progress(self, instance_id: str, progress: float) -> None:
@@ -389,16 +424,116 @@ class InstanceManager:
         except BusUnavailable as error:
             log.warning("progress event for %s not published: %s", event.instance_id, error)
 
+    async def _run_internal(
+        self, running: RunningInstance, request: EngineRequest, timeout_s: float
+    ) -> EngineOutput:
+        """Run one of the worker's own requests on the instance's engine; its final output."""
+        done = running.internal[request.request_id] = asyncio.get_running_loop().create_future()
+        try:
+            running.engine.submit(request)
+            return await asyncio.wait_for(done, timeout_s)
+        finally:
+            running.internal.pop(request.request_id, None)
+
     async def _warm_up(self, running: RunningInstance) -> None:
         """One 1-token generation, so the first user request does not pay for lazy initialisation."""
-        running.engine.submit(
-            EngineRequest(
-                request_id=running.warmup_id, prompt_token_ids=(0,), sampling=SamplingParams(max_tokens=1)
-            )
-        )
-        output = await asyncio.wait_for(running.warmed, WARMUP_TIMEOUT_S)
+        request = warm_up_request(running.warmup_id)
+        output = await self._run_internal(running, request, WARMUP_TIMEOUT_S)
         if output.finish_reason == "error":
             raise RuntimeError(f"warm-up failed: {output.error}")
+
+    # -- calibration: how fast each engine runs each model here (calibration.py) ----------------
+    def _uncalibrated(self, engine: str, model_id: str) -> bool:
+        store = self._calibrations
+        version = self._engine_versions.get(engine, "")
+        if store is None or not version or engine == "echo":  # echo loads no model: nothing to time
+            return False
+        return store.get(engine, version, model_id) is None
+
+    async def _record(self, engine: str, model_id: str, output: EngineOutput) -> None:
+        version = self._engine_versions[engine]
+        entry = measured(output, engine, version, model_id, time.time())
+        if entry is None or self._calibrations is None:
+            log.warning(
+                "calibration of %s on %s gave no timings: %s", engine, model_id, output.error or output
+            )
+            return
+        self._calibrations.put(entry)
+        log.info(
+            "calibrated %s %s on %s: %.0f prefill, %.1f decode tokens/s",
+            engine,
+            version,
+            model_id,
+            entry.prefill_tokens_per_s,
+            entry.decode_tokens_per_s,
+        )
+        await self._on_calibrated()
+
+    async def _calibrate_loaded(self, running: RunningInstance) -> None:
+        """Time the instance's own engine on its model, before it takes requests (advisory: a failure
+        is logged and the instance serves anyway)."""
+        instance = running.instance
+        if instance.is_pipeline or not self._uncalibrated(instance.engine, instance.model_id):
+            return
+        request = calibration_request(f"calibrate-{instance.instance_id}")
+        try:
+            output = await self._run_internal(running, request, CALIBRATION_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("calibration of %s timed out", instance.instance_id)
+            return
+        await self._record(instance.engine, instance.model_id, output)
+
+    def _calibrate_others_later(self, instance: Instance, folder: Path) -> None:
+        if self._calibration_mode != "all" or instance.is_pipeline:
+            return
+        task = asyncio.create_task(
+            self._calibrate_others(instance, folder), name=f"calibrate-{instance.model_id}"
+        )
+        self._calibrating.add(task)
+        task.add_done_callback(self._calibrating.discard)
+
+    async def _calibrate_others(self, instance: Instance, folder: Path) -> None:
+        """Time the node's other engines that can run the instance's model, one engine process at a
+        time (on the files the instance loaded from), while memory allows one more copy of it."""
+        card = self._ctx.follower.state.models.get(instance.model_id)
+        if card is None:
+            return
+        others = [e for e in card.supported_engines if e != instance.engine and e in self._engine_versions]
+        for engine in others:
+            async with self._calibration_lock:
+                if not self._uncalibrated(engine, card.model_id):
+                    continue
+                need = card.storage_bytes * 1.3
+                if (available := psutil.virtual_memory().available) < need:
+                    log.info(
+                        "not calibrating %s on %s: %d bytes free, %d needed",
+                        engine,
+                        card.model_id,
+                        available,
+                        need,
+                    )
+                    continue
+                try:
+                    output = await self._time_engine(engine, folder)
+                except Exception as error:  # advisory: this engine stays unmeasured
+                    log.warning("calibrating %s on %s failed: %s", engine, card.model_id, error)
+                    continue
+                await self._record(engine, card.model_id, output)
+
+    async def _time_engine(self, engine_name: str, folder: Path) -> EngineOutput:
+        """Start `engine_name` on the model in `folder`, warm it up, time the calibration request, stop."""
+        engine = await EngineProcess.start(
+            engine_name, folder, dict(self._options.get(engine_name, {})), LOAD_TIMEOUT_S
+        )
+        try:
+            outputs = engine.outputs()
+            engine.submit(warm_up_request("warmup-calibration"))
+            await asyncio.wait_for(final_output(outputs, "warmup-calibration"), WARMUP_TIMEOUT_S)
+            request = calibration_request("calibration")
+            engine.submit(request)
+            return await asyncio.wait_for(final_output(outputs, request.request_id), CALIBRATION_TIMEOUT_S)
+        finally:
+            await engine.stop()
 
     async def _drain(self, running: RunningInstance) -> None:
         """Let in-flight requests finish (new ones are no longer routed here), then unload and say so."""
@@ -473,15 +608,18 @@ class InstanceManager:
         log.info("model %s was deleted: removed local revisions %s", model_id, removed or "none")
 
     async def close(self) -> None:
+        for task in list(self._calibrating):
+            task.cancel()
+        await asyncio.gather(*self._calibrating, return_exceptions=True)
         for instance_id in list(self._running.keys() | self._loading.keys()):
             await self._unload(instance_id)
 
     # -- requests ------------------------------------------------------------------------------
     async def _pump(self, running: RunningInstance) -> None:
         async for output in running.engine.outputs():
-            if output.request_id == running.warmup_id:
-                if output.finish_reason and not running.warmed.done():
-                    running.warmed.set_result(output)
+            if (internal := running.internal.get(output.request_id)) is not None:
+                if output.finish_reason and not internal.done():
+                    internal.set_result(output)
                 continue
             if output.request_id in running.exports:
                 self._export_output(running, output)

@@ -22,15 +22,18 @@ from fleet_runtime.service import ServiceContext, run
 from fleet_store import KV_BUCKET, ObjectStore, StoreError
 from fleet_store.kv import KVFolder
 from fleet_store.kv_index import KVIndex
+from fleet_worker.calibration import MODES as CALIBRATION_MODES
+from fleet_worker.calibration import CalibrationStore
 from fleet_worker.cancels import RecentCancels, honouring_early_cancels
 from fleet_worker.gpu import NvmlReader
 from fleet_worker.handoff import HandoffClient, PrefillServer
-from fleet_worker.instances import InstanceManager, KVSettings, parse_engine_options
+from fleet_worker.instances import Calibration, InstanceManager, KVSettings, parse_engine_options
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
 from fleet_worker.probe import (
     Overrides,
     network_interfaces,
+    node_engines,
     node_id_from,
     node_info,
     node_metrics,
@@ -100,10 +103,20 @@ async def main(ctx: ServiceContext) -> None:
             gpus,
             ring_host=ring_host,
             ring_port_base=settings.ring_port_base,
+            calibrations=calibrations.all(),
         )
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 
     cache = ModelCache(model_dir, settings.model_cache_bytes, on_change=announce)
+    if settings.calibration not in CALIBRATION_MODES:
+        raise ValueError(
+            f"FLEET_CALIBRATION must be one of {', '.join(CALIBRATION_MODES)}, not {settings.calibration!r}"
+        )
+    calibrations = CalibrationStore(Path(settings.state_dir) / "calibration.json")
+    engines = await asyncio.to_thread(node_engines, overrides)
+    calibration = Calibration(
+        calibrations, {e.name: e.version for e in engines}, settings.calibration, announce
+    )
     kv_settings = KVSettings(
         str(Path(settings.state_dir) / "kv"), settings.kv_block_size, settings.kv_memory_bytes
     )
@@ -114,7 +127,15 @@ async def main(ctx: ServiceContext) -> None:
     shutil.rmtree(handoff_root, ignore_errors=True)  # what a previous run left half-done
     receiver = HandoffClient(ctx.bus, store, handoff_root / "in", settings.handoff_stall_s)
     manager = InstanceManager(
-        ctx, node_id, store, cache, parse_engine_options(settings.engine_options), kv, kv_settings, receiver
+        ctx,
+        node_id,
+        store,
+        cache,
+        parse_engine_options(settings.engine_options),
+        kv,
+        kv_settings,
+        receiver,
+        calibration,
     )
     prefill_server = PrefillServer(
         ctx.bus,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 import psutil
 
-from fleet_proto import EngineInfo, GpuInfo, NodeInfo, NodeKind, NodeMetrics
+from fleet_proto import EngineCalibration, EngineInfo, GpuInfo, NodeInfo, NodeKind, NodeMetrics
 from fleet_worker.gpu import GpuReader, GpuSample, NvmlReader
 
 DMI_DIR = Path("/sys/class/dmi/id")
@@ -184,6 +184,11 @@ def _reader(reader: GpuReader | Literal["auto"] | None) -> GpuReader | None:
     return NvmlReader.open() if reader == AUTO else reader
 
 
+def node_engines(overrides: Overrides = PROBED) -> tuple[EngineInfo, ...]:
+    """The engines this node offers: FLEET_NODE_ENGINES when set, else those installed."""
+    return parse_engines(overrides.engines) if overrides.engines else installed_engines()
+
+
 def node_info(
     node_id: str,
     model_dir: Path,
@@ -192,6 +197,7 @@ def node_info(
     reader: GpuReader | Literal["auto"] | None = AUTO,
     ring_host: str = "",
     ring_port_base: int = 0,
+    calibrations: tuple[EngineCalibration, ...] = (),
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     disk = psutil.disk_usage(str(_existing(model_dir)))
@@ -207,13 +213,14 @@ def node_info(
         memory_available_bytes=overrides.memory_bytes or int(memory.available),
         disk_total_bytes=int(disk.total),
         disk_free_bytes=int(disk.free),
-        engines=parse_engines(overrides.engines) if overrides.engines else installed_engines(),
+        engines=node_engines(overrides),
         kind=NodeKind(overrides.kind) if overrides.kind else node_kind(gpus),
         chip=chip_name(gpus),
         gpus=gpus,
         cached_models=tuple(cached),
         ring_host=ring_host,
         ring_port_base=ring_port_base,
+        calibrations=calibrations,
     )
 
 

@@ -35,6 +35,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None

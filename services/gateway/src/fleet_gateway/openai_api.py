@@ -2,7 +2,7 @@
 build response bodies and SSE frames. No I/O; the HTTP handler wires these around a generation.
 
 Shapes follow the OpenAI API reference (`chat.completion`, `chat.completion.chunk`, error bodies).
-Fleet extensions accepted in the body: top_k, min_p, repetition_penalty (as in vLLM).
+Fleet extensions accepted in the body: top_k, min_p, repetition_penalty, ignore_eos (as in vLLM).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     top_k: int | None = None  # extension; 0 or -1: off
     min_p: float | None = None  # extension
     repetition_penalty: float | None = None  # extension
+    ignore_eos: bool = False  # extension
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -274,6 +275,7 @@ def sampling_ask(req) -> SamplingAsk:
         seed=req.seed,
         max_tokens_param="max_completion_tokens" if uses_new_name else "max_tokens",
         logprobs=(req.top_logprobs or 0) if req.logprobs is True else None,
+        ignore_eos=req.ignore_eos,
     )
 
 

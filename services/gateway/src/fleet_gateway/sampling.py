@@ -30,6 +30,7 @@ class SamplingAsk:
     max_tokens_param: str = "max_tokens"
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     logprobs: int | None = None  # None: none; k: each token's and the k likeliest
+    ignore_eos: bool = False  # generate max_tokens whatever end-of-sequence tokens come (as vLLM)
 
 
 def _finite(value: float) -> bool:
@@ -128,8 +129,9 @@ def to_sampling(
         min_p=ask.min_p or 0.0,
         repetition_penalty=1.0 if ask.repetition_penalty is None else ask.repetition_penalty,
         seed=ask.seed,
-        stop_token_ids=tuple(dict.fromkeys(eos_ids)),
+        stop_token_ids=() if ask.ignore_eos else tuple(dict.fromkeys(eos_ids)),
         logprobs=ask.logprobs,
+        ignore_eos=ask.ignore_eos,
     )
 
 

@@ -1,9 +1,9 @@
 """Scheduler service: the cluster's only decision maker, wired to the bus.
 
 Every replica follows State and answers `fleet.route` and `fleet.placements`; the replica holding
-the leader lease also consumes commands (placement), times out silent workers (failover) and places
-failed pipelines again. Decisions are pure functions (placement.py, liveness.py, replacement.py,
-fleet_proto.routing).
+the leader lease also consumes commands (placement), times out silent workers (failover), places
+failed pipelines again and moves instances to engines their nodes measured faster. Decisions are
+pure functions (placement.py, liveness.py, replacement.py, engine_choice.py, fleet_proto.routing).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from fleet_proto import (
     InstanceDeleted,
     InstanceFailed,
     InstancePlaced,
+    InstanceReady,
     InstanceStatus,
     InstanceStatusChanged,
+    NodeJoined,
     NodeMetrics,
     PlacementsReply,
     PlacementsRequest,
@@ -38,6 +40,7 @@ from fleet_proto import (
 from fleet_proto.routing import route
 from fleet_proto.subjects import PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
 from fleet_runtime.service import ServiceContext, run
+from fleet_scheduler.engine_choice import faster_engine, moved_to_engine
 from fleet_scheduler.leader import LeaderLease
 from fleet_scheduler.liveness import failover_events, timed_out_nodes
 from fleet_scheduler.placement import PlacementError, place, placed_again, placement_options
@@ -122,7 +125,9 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
                     command.engine,
                     shards=command.shards or None,
                 )
-                instance = msgspec.structs.replace(instance, role=command.role)
+                instance = msgspec.structs.replace(
+                    instance, role=command.role, engine_pinned=bool(command.engine)
+                )
             except PlacementError as exc:
                 instance = Instance(
                     instance_id=command.instance_id,
@@ -215,6 +220,45 @@ async def replace_failed_pipelines(ctx: ServiceContext, answered: Answered) -> N
             )
 
 
+async def move_to_faster_engines(ctx: ServiceContext) -> None:
+    """Leader only: an instance whose node measured another engine faster for its model is placed
+    again on that engine (engine_choice.py), when a node reports calibrations or an instance is ready."""
+    moved: set[tuple[str, int]] = set()  # (instance, generation) already placed again
+    async with ctx.follower.listen() as live:
+        async for _, event in live:
+            if not isinstance(event, NodeJoined | InstanceReady):
+                continue
+            state = ctx.follower.state
+            for instance in list(state.instances.values()):
+                engine = faster_engine(state, instance)
+                if not engine or (instance.instance_id, instance.generation) in moved:
+                    continue
+                moved.add((instance.instance_id, instance.generation))
+                try:
+                    placed = moved_to_engine(state, instance, engine)
+                except PlacementError as exc:
+                    log.info(
+                        "%s stays on %s: %s does not fit: %s",
+                        instance.instance_id,
+                        instance.engine,
+                        engine,
+                        exc,
+                    )
+                    continue
+                log.warning(
+                    "%s: %s measured faster than %s for %s on %s: placing it again on %s",
+                    instance.instance_id,
+                    engine,
+                    instance.engine,
+                    instance.model_id,
+                    instance.node_id,
+                    engine,
+                )
+                await ctx.bus.publish_event(
+                    InstancePlaced(instance=placed, origin=ctx.service_id, at=time.time())
+                )
+
+
 async def main(ctx: ServiceContext) -> None:
     client = aioredis.from_url(ctx.settings.redis_url, socket_connect_timeout=2, socket_timeout=2)
     await client.ping()  # fail at start, with the URL in the error, rather than later
@@ -286,10 +330,13 @@ async def main(ctx: ServiceContext) -> None:
     async def pipelines() -> None:
         await replace_failed_pipelines(ctx, answered)
 
+    async def engines() -> None:
+        await move_to_faster_engines(ctx)
+
     # Only the leader consumes commands, times out workers and re-places pipelines; a crashed duty ends
     # the leadership (and the service), so a healthy replica takes over. Routing stays on every replica.
     lease = LeaderLease(ctx.bus, ctx.service_id)
-    jobs = {"commands": commands, "liveness": liveness, "pipelines": pipelines}
+    jobs = {"commands": commands, "liveness": liveness, "pipelines": pipelines, "engines": engines}
     ctx.spawn(lease.lead(jobs), "leader")
     ctx.on_shutdown(lease.release)  # a follower takes over at once rather than after the lease expires
 

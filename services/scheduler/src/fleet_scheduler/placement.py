@@ -2,8 +2,10 @@
 
 The rules come from the seeds (exo's vLLM-aware placement): an engine runs only where it is installed;
 a model needs its weights times the engine's headroom; MLX-quantized weights load only in MLX and not
-on CUDA; mlx-community models prefer Apple, then CPU nodes; nodes that hold the files already come
-next; otherwise the most memory left after loading wins. A model that no single node fits is split by
+on CUDA; mlx-community models prefer Apple, then CPU nodes; unless the engine is asked for, the
+engine that runs the model fastest on a node comes first there (measured by its worker, else the node
+kind's prior: fleet_proto.speed); nodes that hold the files already come next; otherwise the most
+memory left after loading wins. A model that no single node fits is split by
 layers across nodes (engines whose ENGINE_CAPS allow it), each rank listening for its ring on a port
 of its node's range.
 """
@@ -17,6 +19,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 import msgspec
 
 from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, NodeKind, PlacementOption, Shard, State
+from fleet_proto.speed import describe, engine_order
 
 GiB = 2**30
 MLX_COMMUNITY = "mlx-community"
@@ -63,11 +66,15 @@ def option_label(option: PlacementOption) -> str:
     return "+".join(s.node_id for s in option.shards)
 
 
-def option_score(kind: int, nodes: int, uncached: int, free_after: int) -> float:
-    """One sortable number, tier by tier: preferred node kind, then fewer pipeline hops, then files
-    already on disk, then GiB left (tiers of 1e6 GiB; float keeps ~1 MiB resolution)."""
+MAX_SPEED_RANK = 4  # engines ranked per node (all but echo)
+
+
+def option_score(kind: int, nodes: int, uncached: int, free_after: int, speed: int = 0) -> float:
+    """One sortable number, tier by tier: preferred node kind, then the engine's speed rank on its
+    node (0..MAX_SPEED_RANK, higher is faster), then fewer pipeline hops, then files already on disk,
+    then GiB left (tiers of 1e6 GiB; float keeps ~2 MiB resolution)."""
     free_gib = max(min(free_after / GiB, 4e5), -4e5)
-    return ((kind * 1000 - nodes) * 1000 - uncached) * 1e6 + free_gib
+    return (((kind * (MAX_SPEED_RANK + 1) + speed) * 1000 - nodes) * 1000 - uncached) * 1e6 + free_gib
 
 
 def gib(n: int) -> str:
@@ -157,6 +164,23 @@ def kind_rank(card: ModelCard, node: NodeInfo) -> int:
     return {NodeKind.APPLE: 2, NodeKind.CPU: 1}.get(node.kind, 0)
 
 
+def node_engines(card: ModelCard, node: NodeInfo, caps: Mapping[str, EngineCaps]) -> list[str]:
+    """The engines of `node` that can run `card` and compete on speed (echo never does)."""
+    return [e for e in card.supported_engines if e in caps and e != ECHO_ENGINE and has_engine(node, e)]
+
+
+def speed_rank(
+    card: ModelCard, node: NodeInfo, engine: str, caps: Mapping[str, EngineCaps]
+) -> tuple[int, str]:
+    """How `engine` ranks for `card` among the node's engines (higher is faster, 0 when it is not one
+    of them), and the reason part that says why."""
+    order, how = engine_order(node, card.model_id, node_engines(card, node, caps))
+    if engine not in order or len(order) < 2:
+        return 0, ""
+    rank = min(len(order) - order.index(engine), MAX_SPEED_RANK)
+    return rank, describe(node, card.model_id, engine, how)
+
+
 def memory_needed(card: ModelCard, shards: Sequence[Shard], headroom: float) -> dict[str, int]:
     """Bytes each node needs: its share of the layers' storage, times the engine's headroom."""
     need: dict[str, int] = {}
@@ -203,7 +227,9 @@ def _evaluate(
     shards: tuple[Shard, ...],
     free: Mapping[str, int],
     caps: EngineCaps,
+    speed: tuple[int, str] = (0, ""),
 ) -> PlacementOption:
+    """One placement's feasibility and score; `speed`: the engine's rank on the node and why."""
     need = memory_needed(card, shards, caps.memory_headroom)
     after = {node_id: free[node_id] - n for node_id, n in need.items()}
     nodes = [state.nodes[node_id] for node_id in need]
@@ -218,6 +244,7 @@ def _evaluate(
         reason = f"fits with {gib(min(after.values()))} left"
         reason += "; files cached" if uncached == 0 else ""
         reason += f"; {nodes[0].kind} preferred for {MLX_COMMUNITY}" if kind and len(nodes) == 1 else ""
+        reason += f"; {speed[1]}" if speed[1] else ""
     return PlacementOption(
         engine=engine,
         shards=shards,
@@ -225,7 +252,7 @@ def _evaluate(
         reason=reason,
         memory_needed=need,
         free_after=after,
-        score=option_score(kind, len(nodes), uncached, min(after.values())),
+        score=option_score(kind, len(nodes), uncached, min(after.values()), speed[0]),
     )
 
 
@@ -262,8 +289,18 @@ def placement_options(
         if refusal := engine_refusal(card, engine):
             options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=refusal))
             continue
-        whole = [(Shard(node_id=n.node_id, start_layer=0, end_layer=card.num_layers),) for n in nodes]
-        singles = [_evaluate(state, card, engine, shards, free, caps[engine]) for shards in whole]
+        singles = [
+            _evaluate(
+                state,
+                card,
+                engine,
+                (Shard(node_id=n.node_id, start_layer=0, end_layer=card.num_layers),),
+                free,
+                caps[engine],
+                (0, "") if asked_engine else speed_rank(card, n, engine, caps),
+            )
+            for n in nodes
+        ]
         options += singles
         if caps[engine].pipeline:
             layouts = _pipeline_layouts(card, engine, nodes, free)
@@ -447,4 +484,6 @@ def placed_again(state: State, instance: Instance, caps: Mapping[str, EngineCaps
         caps,
         avoid_ring={s.ring_address for s in instance.shards if s.ring_address},
     )
-    return msgspec.structs.replace(placed, role=instance.role, generation=instance.generation + 1)
+    return msgspec.structs.replace(
+        placed, role=instance.role, generation=instance.generation + 1, engine_pinned=instance.engine_pinned
+    )

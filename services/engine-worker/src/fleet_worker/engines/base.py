@@ -33,6 +33,7 @@ import psutil
 
 from fleet_proto import HandoffStats, SamplingParams
 from fleet_proto.messages import GenerationOutput
+from fleet_worker.engines.cpu_blas import load_openblas
 
 
 class KVExport(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,10 +158,18 @@ class EngineSpec:
     # Set in the engine's process before its module is imported (never overriding the operator's).
     environment: Mapping[str, str] = field(default_factory=dict)
     prefill_progress: bool = False  # the constructor takes on_prefill_progress
+    # Called in the engine's process after `environment` is set and before its module is imported.
+    before_import: Callable[[], object] | None = None
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "mlx": EngineSpec("fleet_worker.engines.mlx_engine:MlxEngine", prefill_progress=True),
+    # On a Linux CPU, MLX's matmuls run on the system's OpenBLAS when it has one (cpu_blas).
+    "mlx": EngineSpec(
+        "fleet_worker.engines.mlx_engine:MlxEngine",
+        {"OPENBLAS_NUM_THREADS": str(physical_cores())},
+        prefill_progress=True,
+        before_import=load_openblas,
+    ),
     # In-process V1 engine core: no engine-core subprocess to outlive or orphan in the engine child.
     # OpenMP threads = physical cores (hyper-threads only contend for the same units on CPUs).
     "vllm": EngineSpec(
@@ -196,6 +205,8 @@ def load_engine(
     spec = engine_spec(name)
     for key, value in spec.environment.items():
         os.environ.setdefault(key, value)
+    if spec.before_import is not None:
+        spec.before_import()
     module_name, class_name = spec.target.split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
     if spec.prefill_progress and on_prefill_progress is not None:

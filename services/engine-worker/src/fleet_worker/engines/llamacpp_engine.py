@@ -40,6 +40,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from fleet_proto import SamplingParams
 from fleet_store.handoff import HandoffError, HandoffWriter, assemble, read_folder
 from fleet_store.kv import KVBlobError, WireTensor
 from fleet_worker.engines.base import (
@@ -368,7 +369,7 @@ class LlamaCppEngine:
         sequence.seen.append(token)
         sequence.pending = token
         finish_reason = ""
-        if self._stops(token, params.stop_token_ids):
+        if self._stops(token, params):
             finish_reason = "stop"
         elif sequence.generated >= params.max_tokens:
             finish_reason = "length"
@@ -379,12 +380,13 @@ class LlamaCppEngine:
         chosen = (token_logprob(logprobs, token, top),) if tokens and top is not None else ()
         return sequence.output(tokens, finish_reason, logprobs=chosen)
 
-    def _stops(self, token: int, stop_token_ids: tuple[int, ...]) -> bool:
-        return (
-            token in self.eos_token_ids
-            or token in stop_token_ids
-            or bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+    def _stops(self, token: int, params: SamplingParams) -> bool:
+        if token in params.stop_token_ids:
+            return True
+        end_of_generation = token in self.eos_token_ids or bool(
+            llama_cpp.llama_vocab_is_eog(self._vocab, token)
         )
+        return end_of_generation and not params.ignore_eos
 
     # -- disaggregation ----------------------------------------------------------------------------
     def _seq_state(self, seq_id: int) -> bytes:

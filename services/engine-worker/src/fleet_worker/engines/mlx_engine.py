@@ -77,6 +77,7 @@ from fleet_worker.engines.base import (
     error_output,
     request_problem,
 )
+from fleet_worker.engines.cpu_blas import optimised_blas_loaded
 from fleet_worker.engines.mlx_handoff import Export, RankWriter, apply_handoff, movable_problem
 from fleet_worker.engines.mlx_kv import MlxPrefixStore
 from fleet_worker.engines.mlx_pipeline import PipelineSpec, Ring, connect_layers, join_ring, load_shard
@@ -137,6 +138,26 @@ def activation_dtype(model: Any) -> mx.Dtype:
     return next((p.dtype for _, p in tree_flatten(model.parameters()) if p.dtype in floating), mx.float32)
 
 
+COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def chosen_compute_dtype(asked: str, config: dict[str, Any], pipeline: bool) -> mx.Dtype | None:
+    """The dtype to cast the weights to, None to keep them as stored. "auto" picks float32 only where
+    it is faster: MLX on a CPU with OpenBLAS (no bf16 GEMM there), unquantized weights, and not a
+    pipeline rank (every rank must compute in the same dtype, whatever its node's BLAS)."""
+    if asked == "model":
+        return None
+    if asked != "auto":
+        if asked not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype {asked!r}: expected auto, model or one of {', '.join(COMPUTE_DTYPES)}"
+            )
+        return COMPUTE_DTYPES[asked]
+    on_cpu = mx.default_device() == mx.cpu
+    quantized = "quantization" in config or "quantization_config" in config
+    return mx.float32 if on_cpu and optimised_blas_loaded() and not quantized and not pipeline else None
+
+
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -157,8 +178,11 @@ class MlxEngine:
         pipeline: dict[str, Any] | None = None,
         ring_timeout_s: float = 300.0,
         on_prefill_progress: PrefillProgress | None = None,
+        compute_dtype: str = "auto",
     ) -> None:
-        """kv_memory_bytes > 0 keeps finished prompt blocks in memory for reuse (tier 1); kv_dir is the
+        """compute_dtype: "auto" (float32 on a CPU whose MLX matmuls run on OpenBLAS, cpu_blas; else
+        as stored), "model" (as stored), or "float32" / "bfloat16" / "float16".
+        kv_memory_bytes > 0 keeps finished prompt blocks in memory for reuse (tier 1); kv_dir is the
         local folder blocks fetched from object storage arrive in and new blocks are written to.
         pipeline (a PipelineSpec's fields) makes this engine one rank of a pipeline-parallel model:
         it loads only its layers and joins the other ranks' ring within ring_timeout_s."""
@@ -177,6 +201,9 @@ class MlxEngine:
             self.model, tokenizer, config = load_shard(model_dir, spec)
             self.lockstep = join_ring(spec, self._stream, ring_timeout_s)
             connect_layers(self.model, spec, self.lockstep)
+        dtype = chosen_compute_dtype(compute_dtype, config, pipeline is not None)
+        if dtype is not None:
+            self.model.set_dtype(dtype)
         if on_load_progress is not None:  # mlx_lm.load is one call: all layers arrive at once
             on_load_progress(len(self.model.layers), len(self.model.layers))
         text_config = config.get("text_config") or {}
@@ -237,8 +264,9 @@ class MlxEngine:
             return
         params = request.sampling
         stop = self._eos_stop
-        if params.stop_token_ids:
-            stop = StopSequences([[t] for t in sorted(self.eos_token_ids | set(params.stop_token_ids))])
+        if params.stop_token_ids or params.ignore_eos:
+            eos = frozenset() if params.ignore_eos else self.eos_token_ids
+            stop = StopSequences([[t] for t in sorted(eos | set(params.stop_token_ids))])
         processors = []
         if params.repetition_penalty != 1.0:
             processors = make_logits_processors(

@@ -19,7 +19,8 @@ from fleet_proto.messages import TokenLogprob
 def vllm_sampling_kwargs(
     params: SamplingParams, *, prompt_tokens: int, max_model_len: int, eos_token_ids: Iterable[int]
 ) -> dict[str, Any]:
-    stop_ids = sorted(set(eos_token_ids) | set(params.stop_token_ids))
+    eos = () if params.ignore_eos else eos_token_ids
+    stop_ids = sorted(set(eos) | set(params.stop_token_ids))
     kwargs: dict[str, Any] = {
         "max_tokens": max(1, min(params.max_tokens, max_model_len - prompt_tokens)),
         "temperature": params.temperature,
@@ -29,6 +30,7 @@ def vllm_sampling_kwargs(
         "repetition_penalty": params.repetition_penalty,
         "seed": params.seed,
         "stop_token_ids": stop_ids,
+        "ignore_eos": params.ignore_eos,
         "detokenize": False,
         "skip_special_tokens": False,
     }
