@@ -18,9 +18,9 @@ from fleet_worker.engines.base import engine_spec
 engine_spec("mlx").before_import()
 import mlx.core as mx
 from fleet_worker.engines.mlx_engine import chosen_compute_dtype
-blas = ctypes.CDLL(sys.argv[1])
-same = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value == ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p).value
-print(same, chosen_compute_dtype("auto", {}, pipeline=False))
+def address(library):
+    return ctypes.cast(library.cblas_sgemm, ctypes.c_void_p).value
+print(address(ctypes.CDLL(None)) == address(ctypes.CDLL(sys.argv[1])), chosen_compute_dtype("auto", {}, pipeline=False))
 """
 
 
