@@ -20,7 +20,8 @@ import mlx.core as mx
 from fleet_worker.engines.mlx_engine import chosen_compute_dtype
 def address(library):
     return ctypes.cast(library.cblas_sgemm, ctypes.c_void_p).value
-print(address(ctypes.CDLL(None)) == address(ctypes.CDLL(sys.argv[1])), chosen_compute_dtype("auto", {}, pipeline=False))
+same = address(ctypes.CDLL(None)) == address(ctypes.CDLL(sys.argv[1]))
+print(same, chosen_compute_dtype("auto", {}, pipeline=False))
 """
 
 
