@@ -178,10 +178,11 @@ class MlxEngine:
         pipeline: dict[str, Any] | None = None,
         ring_timeout_s: float = 300.0,
         on_prefill_progress: PrefillProgress | None = None,
-        compute_dtype: str = "auto",
+        compute_dtype: str = "model",
     ) -> None:
-        """compute_dtype: "auto" (float32 on a CPU whose MLX matmuls run on OpenBLAS, cpu_blas; else
-        as stored), "model" (as stored), or "float32" / "bfloat16" / "float16".
+        """compute_dtype: "model" (as stored; the default until the tests that compare MLX tokens
+        across workers and engines run in float32 too), "auto" (float32 on a CPU whose MLX matmuls
+        run on OpenBLAS, cpu_blas; else as stored), or "float32" / "bfloat16" / "float16".
         kv_memory_bytes > 0 keeps finished prompt blocks in memory for reuse (tier 1); kv_dir is the
         local folder blocks fetched from object storage arrive in and new blocks are written to.
         pipeline (a PipelineSpec's fields) makes this engine one rank of a pipeline-parallel model:
