@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import llama_cpp
@@ -21,6 +22,7 @@ from fleet_downloader.defaults import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE
 from fleet_downloader.sources import locate, parse_source
 from fleet_local import stack
 from fleet_local.processes import spawn, stop_pid
+from fleet_worker.engines.llamacpp_weights import served_gguf
 from tests.support import (
     TokenTap,
     call,
@@ -67,10 +69,13 @@ async def serve(gateway: str) -> None:
             await until_ready(session, gateway, instance_id)
 
 
-def direct_greedy(prompt: list[int], max_tokens: int) -> list[int]:
-    """llama-cpp-python's own generate loop on the packaged GGUF, up to an end-of-generation token."""
+def direct_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """llama-cpp-python's own generate loop on the packaged GGUF as the engine serves it (re-encoded
+    to Q8_0 on a CPU, llamacpp_weights; in `folder`), up to an end-of-generation token."""
     gguf = locate(parse_source(DEFAULT_MODEL_SOURCE)).path
-    model = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=2, verbose=False)
+    os.symlink(gguf, folder / gguf.name)
+    served = served_gguf(folder / gguf.name)
+    model = llama_cpp.Llama(model_path=str(served), n_ctx=1024, n_threads=2, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(model.model)
     out: list[int] = []
     for token in model.generate(prompt, top_k=1, temp=0.0):
@@ -80,7 +85,9 @@ def direct_greedy(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-def test_greedy_tokens_through_the_stack_equal_llama_cpp_python(cluster: stack.StackManifest) -> None:
+def test_greedy_tokens_through_the_stack_equal_llama_cpp_python(
+    cluster: stack.StackManifest, tmp_path: Path
+) -> None:
     gguf = locate(parse_source(DEFAULT_MODEL_SOURCE)).path
     vocab_only = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
     prompt = vocab_only.tokenize(QUESTION.encode(), add_bos=False, special=True)
@@ -93,7 +100,7 @@ def test_greedy_tokens_through_the_stack_equal_llama_cpp_python(cluster: stack.S
         return reply, tap.token_ids(reply["id"])
 
     reply, tokens = asyncio.run(complete())
-    assert tokens == direct_greedy(prompt, 16) and len(tokens) > 3
+    assert tokens == direct_greedy(tmp_path, prompt, 16) and len(tokens) > 3
     assert "Paris" in reply["choices"][0]["text"]
 
 

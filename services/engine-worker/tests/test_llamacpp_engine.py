@@ -17,6 +17,7 @@ from fleet_proto import SamplingParams
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_worker.engines.base import EngineRequest, KVExport, KVImport, load_engine
 from fleet_worker.engines.llamacpp_engine import LlamaCppEngine, gguf_file
+from fleet_worker.engines.llamacpp_weights import served_gguf
 
 from .test_mlx_engine import run
 
@@ -34,8 +35,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def direct(model_dir: Path) -> llama_cpp.Llama:
-    """llama-cpp-python's own high-level API on the same file: the reference."""
-    return llama_cpp.Llama(model_path=str(gguf_file(model_dir)), n_ctx=2048, n_threads=2, verbose=False)
+    """llama-cpp-python's own high-level API on the file the engine serves (the Q4_1 GGUF re-encoded to
+    Q8_0 on a CPU, llamacpp_weights): the reference."""
+    served = served_gguf(gguf_file(model_dir))
+    return llama_cpp.Llama(model_path=str(served), n_ctx=2048, n_threads=2, verbose=False)
 
 
 @pytest.fixture(scope="module")

