@@ -102,6 +102,9 @@ def build_sides(
     from fleet_local.processes import free_port
 
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the workers' engine children inherit it
+    # Each worker times only the engine it serves: timing the others in the background would load
+    # the CPU while the sides are measured.
+    os.environ["FLEET_CALIBRATION"] = "loaded"
     # Fleet's MLX instance runs on worker w1, its vLLM instance on w2: each side's memory is its own
     # worker's process tree plus the shared services.
     # The llamacpp instance shares w1 (its memory is counted with the MLX side's worker).
