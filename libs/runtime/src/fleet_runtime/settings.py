@@ -81,6 +81,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # loaded engine at once and the node's other engines for that model in the background, one at a
     # time and memory permitting; "loaded": only the loaded engine; "off": none.
     calibration: str = "all"
+    # How long an engine process may hold a stream's next tokens to send several at once (a request's
+    # first tokens and its end are never held): fewer wake-ups of the worker, NATS and the gateway
+    # while the engine computes. 0 sends every step's tokens at once.
+    stream_interval_ms: float = 50.0
     # The engine-worker's local model cache: least recently used models are evicted beyond it (0: no limit).
     model_cache_bytes: int = 0
     # A command whose consumer died unacked is redelivered after this (a live one renews it).

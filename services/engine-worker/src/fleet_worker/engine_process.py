@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -96,7 +97,48 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def run_child(conn: Connection, engine_name: str, model_dir: str, options: dict[str, Any]) -> None:
+@dataclass
+class OutputHold:
+    """A step's outputs held up to `interval_s`, so the worker, NATS and the gateway wake once per burst
+    of tokens rather than per token (vLLM's stream interval). On a CPU those wake-ups preempt the
+    engine's compute threads mid-step: measured 1.5 ms of their CPU per token while one stream
+    decoded at ~65 tokens/s. A request's first tokens and its last output, and everything when the
+    engine goes idle, leave at once: time to first token and the end of a stream are not delayed."""
+
+    interval_s: float
+    held: list[EngineOutput] = field(default_factory=list)
+    streaming: set[str] = field(default_factory=set)  # requests whose first tokens have gone out
+    oldest_at: float = 0.0
+    urgent: bool = False
+
+    def add(self, outputs: list[EngineOutput], now: float) -> None:
+        for output in outputs:
+            if output.finish_reason or (output.token_ids and output.request_id not in self.streaming):
+                self.urgent = True
+        if outputs and not self.held:
+            self.oldest_at = now
+        self.held += outputs
+
+    def due(self, now: float, idle: bool) -> bool:
+        return bool(self.held) and (self.urgent or idle or now - self.oldest_at >= self.interval_s)
+
+    def take(self) -> list[EngineOutput]:
+        outputs, self.held, self.urgent = self.held, [], False
+        for output in outputs:
+            if output.finish_reason:
+                self.streaming.discard(output.request_id)
+            elif output.token_ids:
+                self.streaming.add(output.request_id)
+        return outputs
+
+
+def run_child(
+    conn: Connection,
+    engine_name: str,
+    model_dir: str,
+    options: dict[str, Any],
+    stream_interval_s: float = 0.0,
+) -> None:
     """The child's main: load, then serve commands until Shutdown or until the parent goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     encoder = msgspec.msgpack.Encoder()
@@ -119,7 +161,7 @@ def run_child(conn: Connection, engine_name: str, model_dir: str, options: dict[
     lockstep = getattr(engine, "lockstep", None)
     try:
         if lockstep is None:
-            _serve(conn, engine, encoder)
+            _serve(conn, engine, encoder, OutputHold(stream_interval_s))
         else:
             _serve_lockstep(conn, engine, encoder, lockstep)
     except (EOFError, OSError):
@@ -155,7 +197,7 @@ def _pending_commands(conn: Connection, engine: Engine, decoder: msgspec.msgpack
     return commands
 
 
-def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder) -> None:
+def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder, hold: OutputHold) -> None:
     decoder = msgspec.msgpack.Decoder(ToChild)
     while True:
         outputs: list[EngineOutput] = []
@@ -163,8 +205,10 @@ def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder) -
             return
         outputs += engine.step()
         kv = engine.take_kv_changes()
-        if outputs or kv:
-            conn.send_bytes(encoder.encode(Outputs(outputs=outputs, kv=kv)))
+        now = time.monotonic()
+        hold.add(outputs, now)
+        if kv or hold.due(now, idle=not engine.has_work()):
+            conn.send_bytes(encoder.encode(Outputs(outputs=hold.take(), kv=kv)))
 
 
 def _serve_lockstep(
@@ -227,17 +271,19 @@ class EngineProcess:
         options: Mapping[str, Any] | None = None,
         load_timeout_s: float = 600.0,
         on_progress: Callable[[int, int], None] | None = None,
+        stream_interval_s: float = 0.0,
     ) -> EngineProcess:
         """Start the child and return once its engine has loaded; EngineLoadError otherwise.
 
-        on_progress(layers loaded, total) is called on the loop as the child reports weight loading.
+        on_progress(layers loaded, total) is called on the loop as the child reports weight loading;
+        stream_interval_s > 0 lets the child hold a stream's tokens that long (OutputHold).
         """
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         # daemon: multiprocessing's exit handler then kills a child the worker forgot to stop.
         process = context.Process(
             target=run_child,
-            args=(child_conn, engine_name, str(model_dir), dict(options or {})),
+            args=(child_conn, engine_name, str(model_dir), dict(options or {}), stream_interval_s),
             name=f"fleet-engine-{engine_name}",
             daemon=True,
         )

@@ -257,8 +257,10 @@ class InstanceManager:
         kv_settings: KVSettings | None = None,
         handoffs: HandoffClient | None = None,
         calibration: Calibration | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
         self._ctx = ctx
+        self._stream_interval_s = stream_interval_s  # engine_process.OutputHold
         calibration = calibration or Calibration()
         self._calibrations = calibration.store
         self._calibration_mode = calibration.mode if calibration.store is not None else "off"
@@ -353,6 +355,7 @@ class InstanceManager:
                 options,
                 LOAD_TIMEOUT_S,
                 on_progress=progress.report if rank == 0 else None,
+                stream_interval_s=self._stream_interval_s,
             )
             await progress.flush()
             running = RunningInstance(

@@ -136,6 +136,7 @@ async def main(ctx: ServiceContext) -> None:
         kv_settings,
         receiver,
         calibration,
+        settings.stream_interval_ms / 1000,
     )
     prefill_server = PrefillServer(
         ctx.bus,
