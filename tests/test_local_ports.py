@@ -1,5 +1,5 @@
-"""Ports the embedded stack hands its servers are free and outside the kernel's ephemeral range
-(where outgoing connections could take them between the pick and the bind)."""
+"""Ports the embedded stack hands its servers are free, outside the kernel's ephemeral range (where
+outgoing connections could take them between the pick and the bind), and never handed out twice."""
 
 from __future__ import annotations
 
@@ -22,3 +22,8 @@ def test_the_ephemeral_range_is_read_from_the_kernel_or_defaults(tmp_path: Path)
     sysctl.write_text("40000\t60999\n")
     assert ephemeral_low(sysctl) == 40000
     assert ephemeral_low(tmp_path / "missing") == 32768
+
+
+def test_a_port_is_handed_out_once_even_while_nothing_binds_it() -> None:
+    picks = [free_port() for _ in range(1000)]  # none bound: each stays free for the next pick
+    assert len(set(picks)) == len(picks)

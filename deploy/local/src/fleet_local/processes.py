@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -33,19 +34,30 @@ def ephemeral_low(path: Path = EPHEMERAL_RANGE) -> int:
         return 32768
 
 
+# Ports this process handed out: a server told a port may bind it only seconds later (weed mini's
+# admin starts after its S3 is up), so a port free now is not necessarily untaken; picking it twice
+# failed a worker's health server with "address already in use" in CI. Process-wide like the ports.
+_HANDED_OUT: deque[int] = deque(maxlen=2048)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, below the ephemeral range: a port the OS picked (bind to 0) can be handed to
-    some outgoing connection before the server that was told it binds it (seen under test load)."""
+    """A port free now, below the ephemeral range, and not handed out before by this process: a port
+    the OS picked (bind to 0) can be handed to some outgoing connection before the server that was
+    told it binds it (seen under test load)."""
     low = ephemeral_low()
     chooser = random.Random()
     for _ in range(200):
         port = chooser.randrange(LISTEN_PORTS_FROM, low) if low > LISTEN_PORTS_FROM + 1000 else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return int(sock.getsockname()[1])
+            picked = int(sock.getsockname()[1])
+        _HANDED_OUT.append(picked)
+        return picked
     raise StartupError(f"no free port on {host} below {low}")
 
 
