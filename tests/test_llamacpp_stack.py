@@ -22,12 +22,13 @@ from fleet_downloader.defaults import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE
 from fleet_downloader.sources import locate, parse_source
 from fleet_local import stack
 from fleet_local.processes import spawn, stop_pid
-from fleet_worker.engines.llamacpp_weights import served_gguf
 from tests.support import (
+    REPO,
     TokenTap,
     call,
     disconnect_mid_stream,
     embedded_stack,
+    load_module,
     until_ready,
     until_state,
     worker_env,
@@ -70,19 +71,12 @@ async def serve(gateway: str) -> None:
 
 
 def direct_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    """llama-cpp-python's own generate loop on the packaged GGUF as the engine serves it (re-encoded
-    to Q8_0 on a CPU, llamacpp_weights; in `folder`), up to an end-of-generation token."""
+    """llama-cpp-python called directly on the packaged GGUF as the engine runs it (its weights
+    re-encoded in `folder`; llamacpp_reference), up to an end-of-generation token."""
     gguf = locate(parse_source(DEFAULT_MODEL_SOURCE)).path
     os.symlink(gguf, folder / gguf.name)
-    served = served_gguf(folder / gguf.name)
-    model = llama_cpp.Llama(model_path=str(served), n_ctx=1024, n_threads=2, verbose=False)
-    vocab = llama_cpp.llama_model_get_vocab(model.model)
-    out: list[int] = []
-    for token in model.generate(prompt, top_k=1, temp=0.0):
-        if llama_cpp.llama_vocab_is_eog(vocab, token) or len(out) == max_tokens:
-            break
-        out.append(token)
-    return out
+    reference = load_module(REPO / "services/engine-worker/tests/llamacpp_reference.py")
+    return reference.LlamaCppReference(folder / gguf.name, n_ctx=1024).greedy(prompt, max_tokens)
 
 
 def test_greedy_tokens_through_the_stack_equal_llama_cpp_python(

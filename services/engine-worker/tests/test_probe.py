@@ -1,7 +1,16 @@
+import importlib.metadata
 from pathlib import Path
 
 from fleet_proto.subjects import metrics_subject
-from fleet_worker.probe import cpu_compute_dtype, cpu_flags, node_id_from, node_info, node_metrics
+from fleet_worker.probe import (
+    ENGINE_REVISIONS,
+    cpu_compute_dtype,
+    cpu_flags,
+    installed_engines,
+    node_id_from,
+    node_info,
+    node_metrics,
+)
 
 
 def test_hostnames_become_subject_tokens():
@@ -122,3 +131,9 @@ def test_cpu_engines_compute_bf16_only_with_native_bf16_instructions(tmp_path: P
     arm.write_text("Features\t: fp asimd bf16 i8mm\n")
     assert cpu_compute_dtype(cpu_flags(arm)) == "bfloat16"
     assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_an_engine_fleet_now_runs_differently_reports_its_revision_so_it_is_measured_again() -> None:
+    versions = {e.name: e.version for e in installed_engines()}
+    revision = ENGINE_REVISIONS["llamacpp"]
+    assert versions["llamacpp"] == f"{importlib.metadata.version('llama-cpp-python')}+fleet{revision}"

@@ -32,6 +32,10 @@ ENGINE_DISTRIBUTIONS = {
     "llamacpp": ("llama-cpp-python",),
     "torch": ("torch",),
 }
+# Bumped when the way Fleet runs an engine changes its speed: the version a node reports (and keys
+# its calibrations by) gains "+fleet<N>", so nodes measure that engine again. llamacpp 2: long
+# prompts prefill on an F16 copy of the weights.
+ENGINE_REVISIONS = {"llamacpp": 2}
 
 
 def node_id_from(hostname: str) -> str:
@@ -44,7 +48,10 @@ def installed_engines() -> tuple[EngineInfo, ...]:
     for engine, distributions in ENGINE_DISTRIBUTIONS.items():
         for distribution in distributions:
             try:
-                found.append(EngineInfo(name=engine, version=importlib.metadata.version(distribution)))
+                version = importlib.metadata.version(distribution)
+                if engine in ENGINE_REVISIONS:
+                    version += f"+fleet{ENGINE_REVISIONS[engine]}"
+                found.append(EngineInfo(name=engine, version=version))
                 break
             except importlib.metadata.PackageNotFoundError:
                 continue

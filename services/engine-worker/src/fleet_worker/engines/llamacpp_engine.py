@@ -9,6 +9,16 @@ sequences keep decoding. Logits are asked for only where a token is sampled (a d
 prompt's last token); sampling is Fleet's own (numpy_sampling: the MLX engine's rules), so greedy is
 the argmax llama.cpp's greedy sampler takes.
 
+Prefill apart (CPU builds): llama.cpp multiplies a long prompt fastest with F16 weights and a batch of
+decode rows fastest with Q8_0 ones (llamacpp_weights.prefill_weight_type), so the engine can hold a
+second, prefill-only copy of the weights with its own context. A prompt with at least
+`prefill_apart_min_tokens` tokens to prefill is fed there, all but its last token (the reused prefix
+copied over first); its sequence state then moves into its slot of the decode context
+(llama_state_seq_get_data / set_data, ~15 MB and ~14 ms for 670 tokens), and the last prompt token is
+fed there with the decoding rows, in the same step. Every first token is sampled from the decode
+weights, so a prompt asked again, a prompt whose KV was handed over and a cold run give the same
+tokens.
+
 Admission reserves prompt + max_tokens cells per sequence, so a step never runs out of KV cells.
 Prefix reuse per sequence: a finished sequence's KV stays in its slot; a new request takes the free
 slot whose tokens share the longest prefix with its prompt, drops the rest (llama_memory_seq_rm)
@@ -63,13 +73,19 @@ from fleet_worker.engines.llamacpp_kv import (
     parse_seq_state,
     seq_state,
 )
-from fleet_worker.engines.llamacpp_weights import served_gguf
+from fleet_worker.engines.llamacpp_weights import (
+    file_type,
+    memory_bytes,
+    prefill_weight_type,
+    served_gguf,
+)
 from fleet_worker.engines.numpy_sampling import Sampler, log_softmax, penalized, token_logprob
 
 log = logging.getLogger("fleet_worker.llamacpp")
 
 DEFAULT_N_CTX = 32768
 EXPORT_CHUNK_ROWS = 256  # rows per handoff chunk: the decoder verifies and reads them as they come
+PREFILL_APART_MIN_TOKENS = 16  # measured: F16 beats Q8_0 from 16 prompt tokens, not at 8
 
 
 class LlamaCppError(RuntimeError):
@@ -112,6 +128,14 @@ class _Sequence(RequestProgress):
     pending: int = -1  # the last sampled token, to be fed on the next step
     seen: list[int] = field(default_factory=list)  # prompt and completion (repetition penalty)
     admitted_at: float = 0.0
+    apart: bool = False  # being prefilled in the prefill context
+    started_apart: bool = False  # its reused prefix is in the prefill context
+
+    @property
+    def apart_until(self) -> int:
+        """Prompt tokens the prefill context feeds: all but the last, whose logits the decode
+        weights give."""
+        return len(self.request.prompt_token_ids) - 1
 
     @property
     def feed_until(self) -> int:
@@ -122,6 +146,62 @@ class _Sequence(RequestProgress):
     @property
     def reserved(self) -> int:
         return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
+
+
+@dataclass(eq=False)
+class _PrefillContext:
+    """The prefill-only weights and their context: seq ids are the decode slots' own."""
+
+    model: ctypes.c_void_p
+    ctx: ctypes.c_void_p
+    memory: ctypes.c_void_p
+    batch: llama_cpp.llama_batch
+    n_ctx: int
+    weight_type: str
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
+def _context_params(n_ctx: int, n_batch: int, n_seq_max: int, threads: int, flash_attn: bool):
+    params = llama_cpp.llama_context_default_params()
+    params.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    params.n_ctx = n_ctx
+    params.n_batch = params.n_ubatch = n_batch
+    params.n_seq_max = n_seq_max
+    params.kv_unified = True
+    params.n_threads = params.n_threads_batch = threads
+    return params
+
+
+def _put(batch: llama_cpp.llama_batch, n: int, seq_id: int, pos: int, token: int, logits: bool) -> None:
+    batch.token[n] = token
+    batch.pos[n] = pos
+    batch.n_seq_id[n] = 1
+    batch.seq_id[n][0] = seq_id
+    batch.logits[n] = logits
+
+
+def _state_buffer(ctx: ctypes.c_void_p, seq_id: int) -> tuple[ctypes.Array, int]:
+    size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
+    buffer = (ctypes.c_uint8 * size)()
+    return buffer, llama_cpp.llama_state_seq_get_data(ctx, buffer, size, seq_id)
+
+
+def _seq_state(ctx: ctypes.c_void_p, seq_id: int) -> bytes:
+    buffer, written = _state_buffer(ctx, seq_id)
+    return ctypes.string_at(buffer, written)
+
+
+def _move_seq(source: ctypes.c_void_p, target: ctypes.c_void_p, seq_id: int) -> bool:
+    """Copy a sequence's KV from one context to another (same layout); the target's cells of that
+    sequence are replaced."""
+    buffer, written = _state_buffer(source, seq_id)
+    return bool(written) and llama_cpp.llama_state_seq_set_data(target, buffer, written, seq_id) == written
 
 
 class LlamaCppEngine:
@@ -138,6 +218,8 @@ class LlamaCppEngine:
         n_gpu_layers: int = -1,
         weight_type: str = "auto",
         flash_attn: bool = False,
+        prefill_weight_type: str = "auto",
+        prefill_apart_min_tokens: int = PREFILL_APART_MIN_TOKENS,
     ) -> None:
         """n_threads 0: the physical cores; n_gpu_layers -1: every layer on the GPU where the build
         has one (CPU builds ignore it); weight_type: "auto" (llamacpp_weights: Q4_1 re-encoded to
@@ -145,7 +227,11 @@ class LlamaCppEngine:
         CPU flash attention splits the KV range by the whole unified cache, so a sequence's greedy
         tokens then depend on what else the cache holds (measured: a prompt decoded beside another
         diverged after 24 tokens; without it the tokens are the same alone, after or beside others),
-        and a handed-over KV would not decode like a cold run."""
+        and a handed-over KV would not decode like a cold run. prefill_weight_type: "auto"
+        (llamacpp_weights: F16 on a CPU for quantized weights), "none" (prefill with the decode
+        weights), or a type; prompts of at least prefill_apart_min_tokens go there."""
+        if prefill_apart_min_tokens < 1:
+            raise ValueError(f"prefill_apart_min_tokens must be at least 1, got {prefill_apart_min_tokens}")
         model_dir = Path(model_dir)
         logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)  # its per-tensor load lines
         llama_cpp.llama_backend_init()
@@ -158,17 +244,7 @@ class LlamaCppEngine:
             raise LlamaCppError(f"llama.cpp could not load {path}")
         layers = llama_cpp.llama_model_n_layer(self._model)
         self.context_length = int(llama_cpp.llama_model_n_ctx_train(self._model)) or n_ctx
-        context_params = llama_cpp.llama_context_default_params()
-        context_params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        context_params.n_ctx = n_ctx
-        context_params.n_batch = context_params.n_ubatch = n_batch
-        context_params.n_seq_max = max_batch_size
-        context_params.kv_unified = True
-        context_params.n_threads = context_params.n_threads_batch = threads
+        context_params = _context_params(n_ctx, n_batch, max_batch_size, threads, flash_attn)
         self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
@@ -191,7 +267,61 @@ class LlamaCppEngine:
         self._pending: list[EngineOutput] = []
         self._steps = 0
         self.kv_heads = int(llama_cpp.llama_model_n_head_kv(self._model))
-        self._kv_layout, self.kv_problem = self._probe_kv_layout()
+        self._kv_layout, self.kv_problem = self._probe_kv_layout(self._ctx)
+        self.prefill_apart_min_tokens = prefill_apart_min_tokens
+        self._prefill = self._prefill_context(
+            gguf_file(model_dir), path, prefill_weight_type, model_params, threads, flash_attn
+        )
+
+    def _prefill_context(
+        self, original: Path, served: Path, asked: str, model_params, threads: int, flash_attn: bool
+    ) -> _PrefillContext | None:
+        """The prefill-only weights and context, or None when prompts prefill with the decode ones."""
+        f16_bytes = 2 * int(llama_cpp.llama_model_n_params(self._model))
+        gpu = bool(llama_cpp.llama_supports_gpu_offload())
+        target = prefill_weight_type(asked, file_type(served), gpu, f16_bytes, memory_bytes())
+        if target is None:
+            return None
+        path = served_gguf(original, target, threads)
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not model:
+            raise LlamaCppError(f"llama.cpp could not load {path}")
+        # a prompt prefills there up to the window, with the next prompt's first chunk beside it
+        n_ctx = min(self.n_ctx, self.context_length) + self.n_batch
+        params = _context_params(n_ctx, self.n_batch, self.max_batch_size, threads, flash_attn)
+        ctx = llama_cpp.llama_init_from_model(model, params)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise LlamaCppError(f"llama.cpp could not make a prefill context of {n_ctx} cells for {path}")
+        prefill = _PrefillContext(
+            model,
+            ctx,
+            llama_cpp.llama_get_memory(ctx),
+            llama_cpp.llama_batch_init(self.n_batch, 0, 1),
+            int(llama_cpp.llama_n_ctx(ctx)),
+            target,
+        )
+        layout, problem = self._probe_kv_layout(ctx)
+        same = (
+            layout is not None
+            and self._kv_layout is not None
+            and (
+                (layout.k_type, layout.v_type, layout.v_trans)
+                == (self._kv_layout.k_type, self._kv_layout.v_type, self._kv_layout.v_trans)
+            )
+        )
+        if not same:
+            log.warning(
+                "llama.cpp: prefilling with the decode weights, the %s copy's cache differs %s",
+                target,
+                problem,
+            )
+            prefill.close()
+            return None
+        log.info(
+            "llama.cpp: prompts of %d+ tokens prefill on %s weights", self.prefill_apart_min_tokens, target
+        )
+        return prefill
 
     # -- the Engine interface ------------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -237,6 +367,9 @@ class LlamaCppEngine:
         return KVChanges()
 
     def close(self) -> None:
+        if self._prefill is not None:
+            self._prefill.close()
+            self._prefill = None
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
@@ -256,6 +389,8 @@ class LlamaCppEngine:
         if sequence in self._running:
             self._running.remove(sequence)
         if sequence.slot is not None:
+            if sequence.apart:  # its tokens are split between the two contexts
+                self._forget(sequence.slot)
             sequence.slot.busy = False
             sequence.slot.last_used = self._steps
 
@@ -283,6 +418,9 @@ class LlamaCppEngine:
             slot.busy = True
             sequence.slot, sequence.fed = slot, reuse
             sequence.cached_tokens = 0 if imported else reuse  # handed over, not cached
+            sequence.apart = (
+                self._prefill is not None and sequence.apart_until - reuse >= self.prefill_apart_min_tokens
+            )
             self._running.append(sequence)
 
     def _make_room(self, cells: int, keep: _Slot) -> bool:
@@ -299,7 +437,9 @@ class LlamaCppEngine:
 
     # -- one forward pass --------------------------------------------------------------------------------
     def _forward(self) -> list[EngineOutput]:
-        """Decode rows first, then prompt chunks up to n_batch; sample where logits were asked."""
+        """Long prompts' chunks in the prefill context first; then decode rows, then prompt chunks up
+        to n_batch; sample where logits were asked."""
+        outputs = self._prefill_apart() if self._prefill is not None else []
         batch = self._batch
         rows: list[tuple[int, _Sequence]] = []  # (batch index, sequence) of each logits row
         progress: list[_Sequence] = []
@@ -309,11 +449,7 @@ class LlamaCppEngine:
             nonlocal n
             slot = sequence.slot
             assert slot is not None
-            batch.token[n] = token
-            batch.pos[n] = len(slot.tokens)
-            batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = slot.seq_id
-            batch.logits[n] = logits
+            _put(batch, n, slot.seq_id, len(slot.tokens), token, logits)
             slot.tokens.append(token)
             if logits:
                 rows.append((n, sequence))
@@ -324,7 +460,7 @@ class LlamaCppEngine:
                 put(sequence, sequence.pending, True)
         for sequence in self._running:
             prompt, until = sequence.request.prompt_token_ids, sequence.feed_until
-            if sequence.pending >= 0 or sequence.fed >= until:
+            if sequence.pending >= 0 or sequence.apart or sequence.fed >= until:
                 continue
             take = min(until - sequence.fed, self.n_batch - n)
             if take <= 0:
@@ -339,31 +475,95 @@ class LlamaCppEngine:
             code = llama_cpp.llama_decode(self._ctx, batch)
             if code != 0:
                 return self._fail_batch(f"llama_decode failed with code {code}")
-        outputs = [self._sample(i, sequence) for i, sequence in rows]
+        outputs += [self._sample(i, sequence) for i, sequence in rows]
         exported = [s for s in self._running if s.request.export is not None and s.fed >= s.feed_until]
         outputs += [self._export(sequence) for sequence in exported]
-        for sequence in progress:
-            outputs.append(
-                EngineOutput(
-                    request_id=sequence.request.request_id,
-                    prompt_tokens=len(sequence.request.prompt_token_ids),
-                    prefilled_tokens=sequence.fed,
-                    prefix_cached_tokens=sequence.cached_tokens,
-                )
-            )
+        outputs += [self._progress(sequence) for sequence in progress]
         return outputs
 
-    def _fail_batch(self, error: str) -> list[EngineOutput]:
+    def _fail_batch(self, error: str, failed: list[_Sequence] | None = None) -> list[EngineOutput]:
         """The batch's rows share one llama_decode: no telling which request broke it."""
-        failed = list(self._running)
         outputs = []
-        for sequence in failed:
+        for sequence in list(self._running) if failed is None else failed:
             if sequence.slot is not None:
-                llama_cpp.llama_memory_seq_rm(self._memory, sequence.slot.seq_id, -1, -1)
-                sequence.slot.tokens.clear()
+                self._forget(sequence.slot)
             self._end(sequence)
             outputs.append(sequence.output(finish_reason="error", error=error))
         return outputs
+
+    def _forget(self, slot: _Slot) -> None:
+        """Drop a slot's KV in both contexts."""
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+        if self._prefill is not None:
+            llama_cpp.llama_memory_seq_rm(self._prefill.memory, slot.seq_id, -1, -1)
+        slot.tokens.clear()
+
+    # -- prefill apart -------------------------------------------------------------------------------
+    def _prefill_apart(self) -> list[EngineOutput]:
+        """One llama_decode of long prompts' chunks (admission order, up to n_batch tokens and the
+        prefill context's cells) on the prefill weights; a prompt fed up to its last token moves
+        into its slot of the decode context."""
+        prefill = self._prefill
+        assert prefill is not None
+        batch, n, fed = prefill.batch, 0, []
+        held = sum(len(s.slot.tokens) for s in self._running if s.apart and s.started_apart and s.slot)
+        for sequence in self._running:
+            slot = sequence.slot
+            if not sequence.apart or slot is None:
+                continue
+            prefix = 0 if sequence.started_apart else len(slot.tokens)
+            take = min(sequence.apart_until - sequence.fed, self.n_batch - n, prefill.n_ctx - held - prefix)
+            if take <= 0:
+                break
+            if not sequence.started_apart:
+                if prefix and not _move_seq(self._ctx, prefill.ctx, slot.seq_id):
+                    sequence.apart = False  # its prefix stays put: it prefills in the decode context
+                    continue
+                sequence.started_apart, held = True, held + prefix
+            prompt = sequence.request.prompt_token_ids
+            for i in range(sequence.fed, sequence.fed + take):
+                _put(batch, n, slot.seq_id, len(slot.tokens), prompt[i], False)
+                slot.tokens.append(prompt[i])
+                n += 1
+            sequence.fed += take
+            held += take
+            fed.append(sequence)
+        if not n:
+            return []
+        batch.n_tokens = n
+        code = llama_cpp.llama_decode(prefill.ctx, batch)
+        if code != 0:
+            return self._fail_batch(f"llama_decode failed with code {code} (prefill weights)", fed)
+        outputs = []
+        for sequence in fed:
+            if sequence.fed < sequence.apart_until:
+                outputs.append(self._progress(sequence))
+                continue
+            self._move_home(sequence)
+        return outputs
+
+    def _move_home(self, sequence: _Sequence) -> None:
+        """A prompt prefilled apart into its slot of the decode context (or, if llama.cpp refuses
+        the state, prefilled there again from the start)."""
+        slot = sequence.slot
+        assert slot is not None and self._prefill is not None
+        moved = _move_seq(self._prefill.ctx, self._ctx, slot.seq_id)
+        llama_cpp.llama_memory_seq_rm(self._prefill.memory, slot.seq_id, -1, -1)
+        if not moved:
+            log.warning(
+                "request %s: prefill state did not move, prefilling again", sequence.request.request_id
+            )
+            self._forget(slot)
+            sequence.fed = sequence.cached_tokens = 0
+        sequence.apart = sequence.started_apart = False
+
+    def _progress(self, sequence: _Sequence) -> EngineOutput:
+        return EngineOutput(
+            request_id=sequence.request.request_id,
+            prompt_tokens=len(sequence.request.prompt_token_ids),
+            prefilled_tokens=sequence.fed,
+            prefix_cached_tokens=sequence.cached_tokens,
+        )
 
     def _sample(self, index: int, sequence: _Sequence) -> EngineOutput:
         params = sequence.request.sampling
@@ -402,27 +602,20 @@ class LlamaCppEngine:
         return end_of_generation and not params.ignore_eos
 
     # -- disaggregation ----------------------------------------------------------------------------
-    def _seq_state(self, seq_id: int) -> bytes:
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
-        buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
-        return bytes(buffer[:written])
-
-    def _probe_kv_layout(self) -> tuple[SeqKV | None, str]:
-        """The cache's layout (types, V transposed or not), read off a one-token sequence, or why
-        its KV cannot be handed over."""
-        slot = self._slots[0]
+    def _probe_kv_layout(self, ctx: ctypes.c_void_p) -> tuple[SeqKV | None, str]:
+        """A context's cache layout (types, V transposed or not), read off a one-token sequence, or
+        why its KV cannot be handed over."""
         batch = self._batch
         batch.n_tokens = 1
-        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.seq_id[0][0], batch.logits[0] = 0, 0, 1, 0, 0
+        _put(batch, 0, 0, 0, 0, False)
         try:
-            if llama_cpp.llama_decode(self._ctx, batch) != 0:
+            if llama_cpp.llama_decode(ctx, batch) != 0:
                 return None, "llama.cpp could not run a probe token"
-            return parse_seq_state(self._seq_state(slot.seq_id)), ""
+            return parse_seq_state(_seq_state(ctx, 0)), ""
         except SeqStateError as error:
             return None, f"this llama.cpp cache cannot be handed over: {error}"
         finally:
-            llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, -1, -1)
 
     def _export(self, sequence: _Sequence) -> EngineOutput:
         """Write a prefill-only request's rows [start_pos, end) as handoff chunks; its final output."""
@@ -432,7 +625,7 @@ class LlamaCppEngine:
         end = sequence.feed_until
         self._end(sequence)
         try:
-            kv = parse_seq_state(self._seq_state(slot.seq_id))
+            kv = parse_seq_state(_seq_state(self._ctx, slot.seq_id))
             if not np.array_equal(kv.positions, np.arange(end)):
                 raise SeqStateError(f"the slot holds positions {kv.positions[:3]}..., not 0..{end - 1}")
             source = GGML_TYPES[kv.k_type][0]
