@@ -42,7 +42,7 @@ def direct(model_dir: Path) -> LlamaCppReference:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> LlamaCppEngine:
-    return LlamaCppEngine(model_dir, n_ctx=4096, n_batch=32, max_batch_size=8)
+    return LlamaCppEngine(model_dir, n_ctx=4096, n_batch=32, max_batch_size=8, prefill_batch=64)
 
 
 def tokens_of(direct: LlamaCppReference, text: str) -> tuple[int, ...]:
@@ -88,7 +88,7 @@ def test_eight_streams_at_once_all_complete(engine, direct) -> None:
 
 def test_a_long_prompt_prefills_over_steps_while_another_decodes(engine, direct) -> None:
     short, long = tokens_of(direct, QUESTION), tokens_of(direct, LONG + QUESTION)
-    assert len(long) > 4 * engine.n_batch
+    assert len(long) > 4 * engine.prefill_batch
     engine.add(greedy("d", short, max_tokens=40))
     engine.step()  # "d" is decoding from here on
     engine.add(greedy("p", long, max_tokens=4))
@@ -118,7 +118,10 @@ def test_a_long_prompt_prefills_on_the_f16_copy_then_moves_to_its_slot(engine, d
     engine.step()
     sequence = engine._live["apart"]
     slot, cached = sequence.slot.seq_id, sequence.cached_tokens  # a slot's cached prefix is copied over
-    assert (kv_end(prefill.memory, slot), kv_end(engine._memory, slot)) == (cached + engine.n_batch, cached)
+    assert (kv_end(prefill.memory, slot), kv_end(engine._memory, slot)) == (
+        cached + engine.prefill_batch,
+        cached,
+    )
     tokens, final = run(engine)
     assert (kv_end(prefill.memory, slot), kv_end(engine._memory, slot)) == (0, len(long) + 5)
     assert tokens["apart"] == reference(direct, long, 6) and final["apart"].prompt_tokens == len(long)
@@ -130,7 +133,7 @@ def test_a_long_new_part_after_a_cached_prefix_prefills_apart_with_the_prefix(en
     second = tokens_of(direct, LONG + LONGER + QUESTION)
     tokens, final = run(engine, [greedy("second", second, max_tokens=12)])
     shared = len(tokens_of(direct, LONG))
-    assert final["second"].prefix_cached_tokens >= shared and len(second) - shared > 4 * engine.n_batch
+    assert final["second"].prefix_cached_tokens >= shared and len(second) - shared > 2 * engine.prefill_batch
     assert tokens["second"] == reference(direct, second, 12)
 
 
