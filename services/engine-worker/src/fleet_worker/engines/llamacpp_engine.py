@@ -74,7 +74,7 @@ from fleet_worker.engines.llamacpp_kv import (
     seq_state,
 )
 from fleet_worker.engines.llamacpp_weights import (
-    file_type,
+    loaded_file_type,
     memory_bytes,
     prefill_weight_type,
     served_gguf,
@@ -246,7 +246,8 @@ class LlamaCppEngine:
         logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)  # its per-tensor load lines
         llama_cpp.llama_backend_init()
         threads = n_threads or physical_cores()
-        path = served_gguf(gguf_file(model_dir), weight_type, threads)
+        original = gguf_file(model_dir)
+        path = served_gguf(original, weight_type, threads)
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
@@ -280,16 +281,17 @@ class LlamaCppEngine:
         self._kv_layout, self.kv_problem = self._probe_kv_layout(self._ctx)
         self.prefill_apart_min_tokens, self.prefill_batch = prefill_apart_min_tokens, prefill_batch
         self._prefill = self._prefill_context(
-            gguf_file(model_dir), path, prefill_weight_type, model_params, threads, flash_attn
+            original, prefill_weight_type, model_params, threads, flash_attn
         )
 
     def _prefill_context(
-        self, original: Path, served: Path, asked: str, model_params, threads: int, flash_attn: bool
+        self, original: Path, asked: str, model_params, threads: int, flash_attn: bool
     ) -> _PrefillContext | None:
         """The prefill-only weights and context, or None when prompts prefill with the decode ones."""
         f16_bytes = 2 * int(llama_cpp.llama_model_n_params(self._model))
         gpu = bool(llama_cpp.llama_supports_gpu_offload())
-        target = prefill_weight_type(asked, file_type(served), gpu, f16_bytes, memory_bytes())
+        served_type = loaded_file_type(self._model)  # the decode weights, already loaded
+        target = prefill_weight_type(asked, served_type, gpu, f16_bytes, memory_bytes())
         if target is None:
             return None
         path = served_gguf(original, target, threads)

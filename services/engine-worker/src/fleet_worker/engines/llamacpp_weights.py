@@ -87,11 +87,16 @@ def file_type(path: Path) -> int:
     if not model:
         raise WeightTypeError(f"llama.cpp could not read {path}")
     try:
-        value = ctypes.create_string_buffer(32)
-        found = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", value, len(value))
-        return int(value.value) if found > 0 else -1
+        return loaded_file_type(model)
     finally:
         llama_cpp.llama_model_free(model)
+
+
+def loaded_file_type(model: ctypes.c_void_p) -> int:
+    """general.file_type of a loaded llama_model (-1 when the file does not say)."""
+    value = ctypes.create_string_buffer(32)
+    found = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", value, len(value))
+    return int(value.value) if found > 0 else -1
 
 
 def served_gguf(path: Path, asked: str = "auto", threads: int = 0) -> Path:
