@@ -204,10 +204,12 @@ def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder, h
         if not all(_apply(engine, c, outputs) for c in _pending_commands(conn, engine, decoder)):
             return
         outputs += engine.step()
-        kv = engine.take_kv_changes()
         now = time.monotonic()
         hold.add(outputs, now)
-        if kv or hold.due(now, idle=not engine.has_work()):
+        if hold.due(now, idle=not engine.has_work()):
+            conn.send_bytes(encoder.encode(Outputs(outputs=hold.take())))
+        # after the tokens: an engine may write the step's KV blocks only now (vLLM's connector)
+        if kv := engine.take_kv_changes():
             conn.send_bytes(encoder.encode(Outputs(outputs=hold.take(), kv=kv)))
 
 

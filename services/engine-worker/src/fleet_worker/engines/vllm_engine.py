@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 from vllm import SamplingParams as VllmSamplingParams
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
@@ -276,9 +277,14 @@ class VllmEngine:
         return sequence.output(tokens, finish_reason, cached, logprobs)
 
     def take_kv_changes(self) -> KVChanges:
-        """Blocks the connector wrote since the last call (vLLM's own prefix cache is not indexed: its
-        pages are vLLM's to evict, unseen)."""
-        if self._kv_blocks is None or not self._kv_blocks.is_dir():
+        """Blocks the connector wrote since the last call, the ones it queued in the last step written
+        first (vLLM's own prefix cache is not indexed: its pages are vLLM's to evict, unseen). Called
+        after a step's outputs are sent, so the writes never hold a token back."""
+        if self._kv_blocks is None:
+            return KVChanges()
+        if has_kv_transfer_group():  # the worker-side connector: the engine core runs in this process
+            get_kv_transfer_group().write_saved_blocks()
+        if not self._kv_blocks.is_dir():
             return KVChanges()
         in_use = set().union(*self._imported.values())  # a handoff's, until its request is done
         present = {p.stem for p in self._kv_blocks.glob("*.safetensors")} - in_use
