@@ -124,7 +124,7 @@ def test_any_pair_of_engines_disaggregates():
 
 
 def test_an_engine_that_cannot_take_kv_in_decodes_alone():
-    state = state_of(*ready("x", role="decode", engine="llamacpp"), *ready("p", role="prefill"))
+    state = state_of(*ready("x", role="decode", engine="echo"), *ready("p", role="prefill"))
     assert route(state, LONG, {}).prefill_instance_id == ""
 
 
@@ -187,18 +187,13 @@ def test_avoided_nodes_are_not_routed_to_nor_asked_to_prefill():
     assert route(state, no_prefill, {}).prefill_instance_id == "b"  # the next best, not the avoided p
 
 
-def test_llama_cpp_hands_kv_only_to_llama_cpp():
-    # its GGUF weights and KV layout are not the converted safetensors' that MLX and vLLM run
-    mixed = state_of(
-        *ready("d", role="decode", engine="llamacpp"), *ready("p", role="prefill", engine="vllm")
-    )
-    assert route(mixed, LONG, {}).prefill_instance_id == ""
-    same = state_of(
-        *ready("d", role="decode", engine="llamacpp"), *ready("p", role="prefill", engine="llamacpp")
-    )
-    assert route(same, LONG, {}).prefill_instance_id == "p"
-    for_mlx = state_of(*ready("d", role="decode"), *ready("p", role="prefill", engine="llamacpp"))
-    assert route(for_mlx, LONG, {}).prefill_instance_id == ""
+def test_llama_cpp_and_the_safetensors_engines_hand_kv_to_each_other():
+    # one wire layout: llama.cpp's permuted K is converted at its edge (llamacpp_kv)
+    for decoder, prefiller in (("llamacpp", "vllm"), ("llamacpp", "llamacpp"), ("mlx", "llamacpp")):
+        state = state_of(
+            *ready("d", role="decode", engine=decoder), *ready("p", role="prefill", engine=prefiller)
+        )
+        assert route(state, LONG, {}).prefill_instance_id == "p", (decoder, prefiller)
 
 
 def joined(node_id: str, *speeds: tuple[str, float, float]) -> NodeJoined:

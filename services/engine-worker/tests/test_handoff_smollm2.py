@@ -1,6 +1,8 @@
 """Disaggregation on SmolLM2-135M-Instruct (bf16), real engines in their worker child processes:
 MLX prefill -> MLX decode and vLLM CPU prefill (float32, handed over as bf16) -> MLX decode give
-the greedy tokens of MLX's own colocated run."""
+the greedy tokens of MLX's own colocated run; vLLM CPU prefill (handed over as f16) -> llama.cpp
+decode (the GGUF the safetensors came from) gives llama.cpp's own run, and its KV rows are vLLM's
+to within the two engines' rounding."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fleet_downloader.defaults import DEFAULT_MODEL_SOURCE
@@ -106,6 +109,46 @@ async def test_vllm_to_mlx_on_smollm2(smollm2: Path, prompt: tuple[int, ...], tm
         assert {c.kv[i][0].dtype for c in chunks for i in c.kv} == {"BF16"}
         assert sorted({i for c in chunks for i in c.kv}) == list(range(30))  # one chunk per layer
         assert await decode_from(decoder, prompt, tmp_path / "h", "vllm") == colocated
+    finally:
+        await prefiller.stop()
+        await decoder.stop()
+
+
+def handoff_rows(folder: Path, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """A handoff's keys and values of one layer as f32 [tokens, heads, head_dim]."""
+    chunks = [decode_chunk(blob) for blob in read_folder(folder)]
+    pairs = [c.kv[layer] for c in chunks if layer in c.kv]
+    keys, values = (
+        np.concatenate([np.frombuffer(t.data, dtype=np.float16).reshape(t.shape) for t in part]).astype(
+            np.float32
+        )
+        for part in zip(*pairs, strict=True)
+    )
+    return keys, values
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+async def test_vllm_to_llamacpp_on_smollm2(smollm2: Path, prompt: tuple[int, ...], tmp_path: Path) -> None:
+    options = {"kv_dir": str(tmp_path / "kv"), "kv_cache_bytes": 256 << 20, "max_model_len": 2048}
+    prefiller = await EngineProcess.start("vllm", smollm2, options, load_timeout_s=600)
+    decoder = await EngineProcess.start("llamacpp", smollm2, {}, load_timeout_s=600)
+    try:
+        sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        colocated = tokens(
+            await run(decoder, EngineRequest(request_id="c", prompt_token_ids=prompt, sampling=sampling))
+        )
+        await prefill(prefiller, prompt, tmp_path / "v", "vllm", wire_dtype="F16")
+        await prefill(decoder, prompt, tmp_path / "l", "llamacpp", wire_dtype="F16")
+        for layer in (0, 29):  # K in the same order of a head's dims: llama.cpp's is permuted back
+            (vllm_k, vllm_v), (llama_k, llama_v) = (
+                handoff_rows(tmp_path / "v", layer),
+                handoff_rows(tmp_path / "l", layer),
+            )
+            assert relative_error(llama_k, vllm_k) < 0.1 and relative_error(llama_v, vllm_v) < 0.15
+        assert await decode_from(decoder, prompt, tmp_path / "v", "vllm") == colocated
     finally:
         await prefiller.stop()
         await decoder.stop()

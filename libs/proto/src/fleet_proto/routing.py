@@ -20,8 +20,10 @@ node's memory nor in object storage) is longer than `disagg_min_tokens` (the see
 request asks for it, the prompt is prefilled on another ready instance of the same base model
 (role "prefill" first, then "both"; the fastest measured prefill engine, else vLLM, the
 compute-strong one; then least loaded) and
-its KV handed to the decoder. Only engines that can take KV in (KV_IMPORT_ENGINES) decode that way,
-from a partner whose KV is theirs (kv_compatible: llama.cpp only with llama.cpp).
+its KV handed to the decoder. Only engines that can take KV in (KV_IMPORT_ENGINES) decode that way;
+any exporting engine can be the partner: KV travels in one layout (Hugging Face's order of a head's
+dimensions, llama.cpp's permuted K converted at its edge), and llama.cpp's GGUF and the safetensors
+MLX and vLLM run are one model's weights (converted from it, or it quantized).
 A pipeline instance (layers split across nodes) takes part like any other: its rank 0, on the
 instance's node, is its one handoff endpoint and moves every rank's layers.
 """
@@ -41,9 +43,6 @@ PREFILL_ROLES = ("prefill", "both")
 DEFAULT_DISAGG_MIN_TOKENS = 1000
 KV_EXPORT_ENGINES = ("mlx", "vllm", "llamacpp")  # engines that can prefill for another instance
 KV_IMPORT_ENGINES = ("mlx", "vllm", "llamacpp")  # engines that can decode from handed-over KV
-# llama.cpp runs a model's GGUF (quantized weights, its own order of a head's dimensions), MLX and
-# vLLM the safetensors converted from it: KV moves only within one of these groups.
-KV_FAMILIES = {"llamacpp": "gguf"}
 PREFERRED_PREFILL_ENGINE = "vllm"
 
 
@@ -83,11 +82,6 @@ def route_cost(
     return load.get(instance.instance_id, 0) + max(prompt_tokens - cached.get(instance.node_id, 0), 0)
 
 
-def kv_compatible(decoder_engine: str, prefill_engine: str) -> bool:
-    """Whether KV computed by one engine is the KV the other would compute (same weights, layout)."""
-    return KV_FAMILIES.get(decoder_engine, "safetensors") == KV_FAMILIES.get(prefill_engine, "safetensors")
-
-
 def prefill_partner(
     state: State,
     model_id: str,
@@ -103,7 +97,6 @@ def prefill_partner(
         for i in ready_instances(state, model_id, roles=PREFILL_ROLES)
         if i.instance_id != decoder.instance_id
         and i.engine in KV_EXPORT_ENGINES
-        and kv_compatible(decoder.engine, i.engine)
         and i.node_id not in avoid_nodes
     ]
     if not candidates:

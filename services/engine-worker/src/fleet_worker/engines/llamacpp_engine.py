@@ -29,7 +29,8 @@ Stop, usage and timings follow the MLX engine: a request stops at an end-of-gene
 vocabulary (llama_vocab_is_eog), an EOS id of the model folder's config, or one of its
 stop_token_ids; token_ids never hold that token, completion_tokens counts it.
 
-Disaggregation between llama.cpp instances of the same GGUF: a prefill-only request (`export`)
+Disaggregation with llama.cpp, vLLM and MLX instances of the same model (K rows in Hugging Face's
+order on the wire, llamacpp_kv): a prefill-only request (`export`)
 fills its slot with all prompt tokens but the last, then its rows [start_pos, end) leave as handoff
 chunks (read with llama_state_seq_get_data, converted by llamacpp_kv); a request with `kv_import`
 gets the handed-over rows written into a free slot (llama_state_seq_set_data) and feeds only its
@@ -66,10 +67,13 @@ from fleet_worker.engines.base import (
 )
 from fleet_worker.engines.llamacpp_kv import (
     GGML_TYPES,
+    PERMUTED_QK_ARCHITECTURES,
     WIRE_TO_GGML,
     SeqKV,
     SeqStateError,
     converted,
+    keys_from_wire_order,
+    keys_to_wire_order,
     parse_seq_state,
     seq_state,
 )
@@ -278,6 +282,8 @@ class LlamaCppEngine:
         self._pending: list[EngineOutput] = []
         self._steps = 0
         self.kv_heads = int(llama_cpp.llama_model_n_head_kv(self._model))
+        # K rows travel in Hugging Face's order of a head's dims (llamacpp_kv), as vLLM and MLX cache them
+        self._keys_permuted = _architecture(self._model) in PERMUTED_QK_ARCHITECTURES
         self._kv_layout, self.kv_problem = self._probe_kv_layout(self._ctx)
         self.prefill_apart_min_tokens, self.prefill_batch = prefill_apart_min_tokens, prefill_batch
         self._prefill = self._prefill_context(
@@ -667,7 +673,10 @@ class LlamaCppEngine:
                 wire, (stop - start, self.kv_heads, rows.shape[1] // self.kv_heads), data.tobytes()
             )
 
-        return tensor(kv.keys[layer][start:stop]), tensor(kv.values[layer][start:stop])
+        keys = kv.keys[layer][start:stop]
+        if self._keys_permuted:
+            keys = keys_to_wire_order(keys, self.kv_heads)
+        return tensor(keys), tensor(kv.values[layer][start:stop])
 
     def _import(self, sequence: _Sequence, slot: _Slot) -> int:
         """Write a received handoff into `slot`; the prompt tokens it covers, or 0 (then says why)."""
@@ -694,10 +703,14 @@ class LlamaCppEngine:
                 ]
                 return converted(np.concatenate(arrays), pieces[0].dtype, target)
 
+            def joined_keys(pieces: list[WireTensor]) -> np.ndarray:
+                keys = joined(pieces)
+                return keys_from_wire_order(keys, self.kv_heads) if self._keys_permuted else keys
+
             rows = [kv.rows[i] for i in range(len(layout.keys))]
             state = SeqKV(
                 np.arange(kv.end, dtype=np.int32),
-                tuple(joined([k for k, _ in pairs]) for pairs in rows),
+                tuple(joined_keys([k for k, _ in pairs]) for pairs in rows),
                 tuple(joined([v for _, v in pairs]) for pairs in rows),
                 layout.k_type,
                 layout.v_type,
@@ -719,6 +732,12 @@ class LlamaCppEngine:
             return 0
         slot.tokens[:] = prompt[: kv.end]
         return kv.end
+
+
+def _architecture(model: ctypes.c_void_p) -> str:
+    value = ctypes.create_string_buffer(64)
+    found = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", value, len(value))
+    return value.value.decode() if found > 0 else ""
 
 
 def _ggml(wire: str) -> int:

@@ -16,10 +16,13 @@ little-endian:
                    then n_embd_v_gqa runs of cell_count values (V transposed)
 
 Cells are in buffer order, not position order; rows are sorted by position here. A K row holds the
-kv heads one after the other (head_dim values each), after RoPE, in llama.cpp's own order of a
-head's dimensions (the GGUF converter permutes llama's q/k weights for llama.cpp's rotation), so
-these rows go only to llama.cpp engines of the same GGUF (routing: kv_compatible). Only unquantized
-cache types convert (F32, F16, BF16); a quantized cache keeps its KV local.
+kv heads one after the other (head_dim values each), after RoPE. For llama-architecture GGUFs
+(`PERMUTED_QK_ARCHITECTURES`) a head's dimensions are in llama.cpp's own order: the GGUF converter
+permutes q/k weight rows so that llama.cpp's rotation of adjacent pairs (2i, 2i+1) computes what
+Hugging Face's rotate-half computes on (i, i + head_dim/2). The wire carries the Hugging Face order
+(what vLLM and MLX cache from the safetensors of the same model), so `keys_to_wire_order` /
+`keys_from_wire_order` undo and redo that permutation and llama.cpp KV moves to and from the other
+engines. Only unquantized cache types convert (F32, F16, BF16); a quantized cache keeps its KV local.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import numpy as np
 GGML_TYPES = {0: ("F32", np.float32), 1: ("F16", np.float16), 30: ("BF16", np.uint16)}
 WIRE_TO_GGML = {wire: type_id for type_id, (wire, _) in GGML_TYPES.items()}
 STATE_MAGIC = 0xAF143CD8
+# general.architecture values whose GGUF converter permutes q/k rows (convert_hf_to_gguf's LlamaModel)
+PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
 
 class SeqStateError(ValueError):
@@ -169,3 +174,22 @@ def converted(array: np.ndarray, source: str, target: str) -> np.ndarray:
     if source == target:
         return array
     return from_float32(to_float32(array, source), target)
+
+
+def keys_to_wire_order(keys: np.ndarray, heads: int) -> np.ndarray:
+    """K rows [cells, heads * head_dim] from llama.cpp's pair order to Hugging Face's half order: a
+    head's dims (0, 1, 2, 3, ...) = (x0, y0, x1, y1, ...) become (x0, x1, ..., y0, y1, ...)."""
+    cells = keys.shape[0]
+    per_head = keys.reshape(cells, heads, -1)
+    halves = np.concatenate([per_head[..., 0::2], per_head[..., 1::2]], axis=-1)
+    return halves.reshape(cells, -1)
+
+
+def keys_from_wire_order(keys: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of keys_to_wire_order."""
+    cells = keys.shape[0]
+    per_head = keys.reshape(cells, heads, -1)
+    half = per_head.shape[-1] // 2
+    pairs = np.empty_like(per_head)
+    pairs[..., 0::2], pairs[..., 1::2] = per_head[..., :half], per_head[..., half:]
+    return pairs.reshape(cells, -1)
