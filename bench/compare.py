@@ -11,6 +11,9 @@ Sides (a peer that is not installed is skipped and says so):
   fleet-vllm     the same stack, a vLLM instance (f32 on CPU)     compared with vllm, llama.cpp
   vllm           vLLM's OpenAI server, same folder and settings
   fleet-llamacpp the same stack, a llamacpp instance on the GGUF  compared with llama.cpp
+  fleet-split    the same stack: a llamacpp instance decodes, a vLLM prefill-role instance prefills
+                 prompts over --split-min-tokens (disaggregated, KV handed over layer by layer)
+                                                                 compared with vllm and llama.cpp
   llama.cpp      llama-cpp-python's server on the original GGUF (Q4_1): what a CPU user would pick
 
 Each workload (PROMPTxGEN@CONCURRENCY) runs `--repeats` rounds per side, the sides taking turns
@@ -51,7 +54,12 @@ from plots import line_plot
 from report import number
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SIDES = ("fleet-mlx", "mlx-lm", "mlx_lm.server", "fleet-vllm", "vllm", "fleet-llamacpp", "llama.cpp")
+SIDES = (
+    "fleet-mlx", "mlx-lm", "mlx_lm.server", "fleet-vllm", "vllm", "fleet-llamacpp", "fleet-split", "llama.cpp"
+)  # fmt: skip
+# Fleet sides measured against more than their one baseline peer: side -> peers
+CROSS_RATIOS = {"fleet-split": ("vllm", "llama.cpp")}
+DEFAULT_SPLIT_MIN_TOKENS = 256
 DEFAULT_WORKLOADS = "32x16@1,32x16@8,512x16@1"
 
 
@@ -59,6 +67,8 @@ def missing_reason(name: str, tiny: bool) -> str:
     """Why a side cannot run here, or ''."""
     needs = {"fleet-mlx": "mlx_lm", "mlx-lm": "mlx_lm", "mlx_lm.server": "mlx_lm", "fleet-vllm": "vllm",
              "vllm": "vllm", "fleet-llamacpp": "llama_cpp", "llama.cpp": "llama_cpp"}  # fmt: skip
+    if name == "fleet-split":
+        return missing_reason("fleet-vllm", tiny) or missing_reason("fleet-llamacpp", tiny)
     gguf = name in ("fleet-llamacpp", "llama.cpp")
     if not installed(needs[name]):
         return f"{needs[name]} is not installed" + (" (make bench-install)" if name == "llama.cpp" else "")
@@ -97,6 +107,7 @@ def build_sides(
     source: str,
     threads: int,
     mlx_max_prompt: int,
+    split_min_tokens: int = DEFAULT_SPLIT_MIN_TOKENS,
 ) -> tuple[list[Side], Path]:
     """Every side up and answering; the model folder the peers load."""
     from fleet_local.processes import free_port
@@ -105,6 +116,8 @@ def build_sides(
     # Each worker times only the engine it serves: timing the others in the background would load
     # the CPU while the sides are measured.
     os.environ["FLEET_CALIBRATION"] = "loaded"
+    # Only fleet-split's model has a prefill partner: the other sides' prompts never move.
+    os.environ["FLEET_DISAGG_MIN_TOKENS"] = str(split_min_tokens)
     # Fleet's MLX instance runs on worker w1, its vLLM instance on w2: each side's memory is its own
     # worker's process tree plus the shared services.
     # The llamacpp instance shares w1 (its memory is counted with the MLX side's worker).
@@ -143,6 +156,11 @@ def build_sides(
         placed(gateway, vllm_model, f"file://{model_dir}", *on_w2[2:])
     if "fleet-llamacpp" in names and first is not llamacpp_on_w1:
         placed(gateway, *llamacpp_on_w1)
+    split_model = f"{model}-split"  # llama.cpp decodes on w1, a vLLM instance prefills on w2
+    if "fleet-split" in names:
+        placed(gateway, split_model, source, "w1", "llamacpp", state_dir)
+        layers = asyncio.run(stage(gateway, split_model, source))["models"][split_model]["num_layers"]
+        asyncio.run(serve_on(gateway, split_model, "w2", layers, engine="vllm", role="prefill"))
     wait_served(list(launched.values()))
     mlx_limit = {"max_prompt_tokens": mlx_max_prompt}
     llamacpp_baseline = next(n for n in ("fleet-llamacpp", "fleet-vllm", "fleet-mlx") if n in names)
@@ -178,6 +196,9 @@ def build_sides(
             sides.append(
                 http_side(name, "Fleet (llama.cpp)", "", gateway, llamacpp_model, services + w1_pids)
             )
+        elif name == "fleet-split":
+            label = "Fleet (vLLM prefill, llama.cpp decode)"
+            sides.append(http_side(name, label, "", gateway, split_model, [*services, *w1_pids, w2_pid]))
         elif name == "llama.cpp":
             sides.append(
                 http_side(name, "llama.cpp server", llamacpp_baseline, peer.url, model, [peer.process.pid])
@@ -213,6 +234,15 @@ async def run_all(sides: list[Side], workloads: list[Workload], repeats: int, co
                     "decode_tps_per_stream": summaries[side.baseline]["decode_tps_per_stream_p50"]
                     / summaries[side.name]["decode_tps_per_stream_p50"],
                 }
+        for name, peers in CROSS_RATIOS.items():
+            for peer in (p for p in peers if name in rounds and p in rounds):
+                ratios[f"{name}/{peer}"] = {
+                    "vs": peer,
+                    "aggregate_tps": paired_ratio(rounds[name], rounds[peer], "aggregate_tps"),
+                    "ttft_s": paired_ratio(rounds[name], rounds[peer], "ttft_s"),
+                    "decode_tps_per_stream": summaries[name]["decode_tps_per_stream_p50"]
+                    / summaries[peer]["decode_tps_per_stream_p50"],
+                }
         skipped = [s.name for s in sides if s not in active]
         results[workload.label] = {"workload": vars(workload), "sides": summaries, "ratios": ratios,
                                    "skipped": skipped}  # fmt: skip
@@ -241,6 +271,9 @@ def report(result: dict) -> None:
             errors = f" ({s['errors']} errors)" if s["errors"] else ""
             row = " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, columns, strict=True))
             print(f"{label:>12} {name:15} {row}  {ratio_text(entry['ratios'].get(name))}{errors}")
+        for key, ratio in entry["ratios"].items():
+            if "/" in key:  # a Fleet side against another peer than its baseline
+                print(f"{label:>12} {key.split('/')[0]:15} {'':44}  {ratio_text(ratio)}")
         if entry["skipped"]:
             print(f"{label:>12} skipped: {', '.join(entry['skipped'])} (prompt over --mlx-max-prompt)")
     for name, reason in result["unavailable"].items():
@@ -279,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for vLLM, llama.cpp"
     )
+    parser.add_argument(
+        "--split-min-tokens",
+        type=int,
+        default=DEFAULT_SPLIT_MIN_TOKENS,
+        help="fleet-split: prompts longer than this prefill on vLLM (FLEET_DISAGG_MIN_TOKENS)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     wanted = [n.strip() for n in args.peers.split(",") if n.strip()]
@@ -305,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with ExitStack() as stack:
         sides, model_dir = build_sides(
-            stack, names, state_dir, model, source, args.threads, args.mlx_max_prompt
+            stack, names, state_dir, model, source, args.threads, args.mlx_max_prompt, args.split_min_tokens
         )
         count = token_counter(model_dir)
         print(f"sides up in {time.monotonic() - started:.0f} s: {', '.join(s.name for s in sides)}")
@@ -320,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "baselines": {s.name: s.baseline for s in sides if s.baseline},
         "unavailable": unavailable,
         "vllm_args": VLLM_SERVER_ARGS,
+        "split_min_tokens": args.split_min_tokens,
         "workloads": workloads_result,
         "wall_s": time.monotonic() - started,
     }
