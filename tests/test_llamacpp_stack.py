@@ -8,6 +8,7 @@ by TCP stream), with the tokens of the colocated run."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -156,3 +157,38 @@ def test_kv_prefilled_on_another_worker_decodes_like_a_colocated_run(cluster: st
     assert stats["disaggregated"] and handoff["prefill_worker_id"] == "w2" and handoff["fallback"] == ""
     assert handoff["tokens"] == stats["prompt_tokens"] - 1 and handoff["bytes"] > 0
     assert tokens == colocated and len(tokens) > 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_a_vllm_prefill_sends_the_first_token_and_llama_cpp_decodes_on_from_it(
+    cluster: stack.StackManifest,
+) -> None:
+    """The last test here: w2's prefill partner becomes a vLLM instance."""
+    gateway = cluster.gateway_url
+    messages = [{"role": "user", "content": "Name three rivers of Africa and where they flow."}]
+    body = {"model": DEFAULT_MODEL_ID, "messages": messages, "max_tokens": 16, "temperature": 0}
+    body |= {"disaggregated": True, "transport": "stream"}
+
+    async def split_request() -> tuple[list, dict]:
+        async with aiohttp.ClientSession() as session:
+            state = await call(session, "GET", f"{gateway}/state")
+            for instance_id, instance in state["instances"].items():
+                if instance["role"] == "prefill":
+                    await call(session, "DELETE", f"{gateway}/instances/{instance_id}")
+            shards = [{"node_id": "w2", "start_layer": 0, "end_layer": 30}]
+            placed = {"model": DEFAULT_MODEL_ID, "engine": "vllm", "shards": shards, "role": "prefill"}
+            instance_id = (await call(session, "POST", f"{gateway}/instances", placed))["instance_id"]
+            await until_ready(session, gateway, instance_id)
+            async with TokenTap(cluster.nats_url) as tap:
+                reply = await call(session, "POST", f"{gateway}/bench/chat/completions", body)
+                await asyncio.sleep(0.2)
+        return sorted(tap.chunks[reply["id"]], key=lambda c: c.index), reply["generation_stats"]
+
+    chunks, stats = asyncio.run(split_request())
+    handoff = stats["handoff"]
+    assert stats["disaggregated"] and handoff["prefill_worker_id"] == "w2" and handoff["first_token"]
+    first = chunks[0]  # sent by the decode worker from the handoff, before its engine ran
+    assert (first.index, len(first.token_ids), first.completion_tokens, first.prompt_time_s) == (0, 1, 1, 0.0)
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert [c.index for c in chunks] == list(range(len(chunks))) and len(chunks) > 2
+    assert len(tokens) == stats["generation_tokens"] == chunks[-1].completion_tokens

@@ -13,7 +13,10 @@ from fleet_store.handoff import (
     HandoffError,
     HandoffWriter,
     LayerState,
+    append_done,
+    append_error,
     assemble,
+    chunk_kind,
     decode_chunk,
     frame,
     frame_length,
@@ -145,3 +148,15 @@ def test_a_handoff_becomes_the_full_kv_blocks_it_covers(tmp_path):
     stateful = AssembledKV(0, 12, kv.rows, {2: LayerState("ArraysCache", (None,))})
     with pytest.raises(HandoffError, match="non-positional state"):
         handoff_blocks(stateful, "fp", prompt, 4)
+
+
+def test_an_engine_ends_a_handoff_after_its_kv_with_the_sampled_first_token(tmp_path):
+    writer = HandoffWriter(tmp_path, "h1")
+    writer.kv(0, 4, {0: (rows(4), rows(4))})
+    append_done(tmp_path, "h1", 0, 4, first_token=318)
+    append_error(tmp_path, "h1", "too late: the handoff has ended")
+    chunks = [decode_chunk(blob, "h1") for blob in read_folder(tmp_path)]
+    assert [(c.seq, c.kind, c.first_token) for c in chunks] == [(0, "kv", -1), (1, "done", 318)]
+    assert assemble(read_folder(tmp_path), "h1", 0).end == 4
+    plain = HandoffChunk("h1", 0, "done", 0, 4)  # a done chunk without a first token says -1
+    assert decode_chunk(plain.encode()).first_token == -1 and chunk_kind(plain.encode()) == "done"

@@ -1,8 +1,8 @@
 """Disaggregation on SmolLM2-135M-Instruct (bf16), real engines in their worker child processes:
 MLX prefill -> MLX decode and vLLM CPU prefill (float32, handed over as bf16) -> MLX decode give
 the greedy tokens of MLX's own colocated run; vLLM CPU prefill (handed over as f16) -> llama.cpp
-decode (the GGUF the safetensors came from) gives llama.cpp's own run, and its KV rows are vLLM's
-to within the two engines' rounding."""
+decode (the GGUF the safetensors came from) gives llama.cpp's own run, also going on from the first
+token vLLM sampled, and its KV rows are vLLM's to within the two engines' rounding."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVI
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
+FIRST_ONLY = SamplingParams(max_tokens=1, temperature=0.0)  # what a prefill-only request samples
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
@@ -53,9 +54,9 @@ def tokens(outputs: list[EngineOutput]) -> list[int]:
 
 
 async def decode_from(
-    decoder: EngineProcess, prompt: tuple[int, ...], folder: Path, handoff_id: str
+    decoder: EngineProcess, prompt: tuple[int, ...], folder: Path, handoff_id: str, first_token: int = -1
 ) -> list[int]:
-    imported = KVImport(folder=str(folder), handoff_id=handoff_id)
+    imported = KVImport(folder=str(folder), handoff_id=handoff_id, first_token=first_token)
     sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outputs = await run(
         decoder,
@@ -68,12 +69,18 @@ async def decode_from(
 
 
 async def prefill(
-    engine: EngineProcess, prompt: tuple[int, ...], folder: Path, handoff_id: str, **spec
+    engine: EngineProcess,
+    prompt: tuple[int, ...],
+    folder: Path,
+    handoff_id: str,
+    sampling: SamplingParams = FIRST_ONLY,
+    **spec,
 ) -> None:
     export = KVExport(folder=str(folder), handoff_id=handoff_id, **spec)
-    outputs = await run(
-        engine, EngineRequest(request_id=f"p-{handoff_id}", prompt_token_ids=prompt, export=export)
+    request = EngineRequest(
+        request_id=f"p-{handoff_id}", prompt_token_ids=prompt, sampling=sampling, export=export
     )
+    outputs = await run(engine, request)
     assert outputs[-1].finish_reason == "length", outputs[-1].error
 
 
@@ -149,6 +156,11 @@ async def test_vllm_to_llamacpp_on_smollm2(smollm2: Path, prompt: tuple[int, ...
             )
             assert relative_error(llama_k, vllm_k) < 0.1 and relative_error(llama_v, vllm_v) < 0.15
         assert await decode_from(decoder, prompt, tmp_path / "v", "vllm") == colocated
+        # vLLM samples the first token too: llama.cpp goes on from it to its own colocated tokens
+        await prefill(prefiller, prompt, tmp_path / "f", "first", wire_dtype="F16", sample_first=True)
+        done = decode_chunk(list(read_folder(tmp_path / "f"))[-1])
+        assert (done.kind, done.first_token, done.token_end) == ("done", colocated[0], len(prompt) - 1)
+        assert await decode_from(decoder, prompt, tmp_path / "f", "first", done.first_token) == colocated[1:]
     finally:
         await prefiller.stop()
         await decoder.stop()

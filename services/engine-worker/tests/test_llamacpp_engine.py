@@ -215,9 +215,11 @@ def export_to(engine: LlamaCppEngine, folder: Path, prompt: tuple[int, ...], wir
     assert not tokens.get(request.request_id)
 
 
-def decode_from(engine: LlamaCppEngine, folder: Path, prompt: tuple[int, ...]):
-    spec = KVImport(folder=str(folder), handoff_id=folder.name)
-    sampling = SamplingParams(max_tokens=16, temperature=0.0)
+def decode_from(
+    engine: LlamaCppEngine, folder: Path, prompt: tuple[int, ...], first_token: int = -1, max_tokens: int = 16
+):
+    spec = KVImport(folder=str(folder), handoff_id=folder.name, first_token=first_token)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     request = EngineRequest(
         request_id=f"d-{folder.name}", prompt_token_ids=prompt, sampling=sampling, kv_import=spec
     )
@@ -258,3 +260,26 @@ def test_a_corrupt_handoff_is_prefilled_here(engine, direct, tmp_path: Path) -> 
     tokens, final = decode_from(engine, folder, prompt)
     assert final.handoff is not None and "sha256" in final.handoff.fallback
     assert tokens == reference(direct, prompt, 16)
+
+
+def test_a_handoff_with_its_first_token_decodes_on_from_the_second(
+    direct, model_dir: Path, tmp_path: Path
+) -> None:
+    prompt = tokens_of(direct, LONG + QUESTION.replace("France", "Fiji"))
+    cold = reference(direct, prompt, 16)
+    folder = tmp_path / "first"
+    # an engine of its own: the shared one's cached prefixes and whatever its unified cache holds
+    # beside a sequence move the rounding, and the tokens are compared far out
+    decoder = LlamaCppEngine(model_dir, n_ctx=2048, max_batch_size=2)
+    try:
+        export_to(decoder, folder, prompt)
+        tokens, final = decode_from(decoder, folder, prompt, first_token=cold[0])
+        assert final.handoff is None and tokens == cold[1:]  # the first one was sent by the worker
+        assert final.completion_tokens == len(cold)
+        only, final = decode_from(decoder, folder, prompt, first_token=cold[0], max_tokens=1)
+        assert only == [] and final.finish_reason == "length" and final.completion_tokens == 1
+        (folder / "000000.safetensors").write_bytes(b"not a chunk")  # prefilled here, on from the first
+        tokens, final = decode_from(decoder, folder, prompt, first_token=cold[0])
+        assert final.handoff is not None and final.handoff.fallback and tokens == cold[1:]
+    finally:
+        decoder.close()

@@ -63,11 +63,14 @@ class HandoffStats(Frozen):
     # the prefill's compute (wall clocks of both hosts)
     tail_s: float = 0.0
     fallback: str = ""  # why the decoder prefilled locally after all ("" when the handoff worked)
+    first_token: bool = False  # the prefill engine sampled the first token; sent before decoding
 
 
 class PrefillRequest(Frozen):
     """Decode worker -> prefill worker on `fleet.prefill.<worker>` (request/reply): compute the KV
-    of prompt tokens [start_pos, len - 1) and hand it over by `transport` ("stream" | "staged")."""
+    of prompt tokens [start_pos, len - 1) and hand it over by `transport` ("stream" | "staged").
+    With `sampling`, a prefill engine that can (vLLM) also samples the request's first token with
+    it and the handoff's done chunk carries the token: the decoder sends it before decoding."""
 
     handoff_id: str
     request_id: str
@@ -76,6 +79,7 @@ class PrefillRequest(Frozen):
     start_pos: int = 0
     transport: str = "stream"
     wire_dtype: str = ""  # safetensors dtype the decoder reads ("": as the prefill engine computes)
+    sampling: SamplingParams | None = None
 
 
 class PrefillReply(Frozen):

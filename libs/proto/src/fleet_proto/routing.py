@@ -43,6 +43,9 @@ PREFILL_ROLES = ("prefill", "both")
 DEFAULT_DISAGG_MIN_TOKENS = 1000
 KV_EXPORT_ENGINES = ("mlx", "vllm", "llamacpp")  # engines that can prefill for another instance
 KV_IMPORT_ENGINES = ("mlx", "vllm", "llamacpp")  # engines that can decode from handed-over KV
+# a prefill on these samples the request's first token too; a decoder on these starts from it
+FIRST_TOKEN_EXPORT_ENGINES = ("vllm",)
+FIRST_TOKEN_IMPORT_ENGINES = ("llamacpp",)
 PREFERRED_PREFILL_ENGINE = "vllm"
 
 

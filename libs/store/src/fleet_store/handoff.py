@@ -10,7 +10,9 @@ of `end`. It travels as numbered chunks, each one safetensors blob (the containe
   layers of a prefill chunk at once);
 - "state": the whole cache state of some layers, `layers.<i>.state.<j>`, with the cache class
   and its meta state (mlx-lm's `meta_state` strings) in the metadata;
-- "done": the last chunk, naming the token range covered and the chunk count;
+- "done": the last chunk, naming the token range covered and, when the prefill engine sampled
+  it (`first_token` >= 0), the request's first completion token (the decoder sends it at once
+  and feeds it after the last prompt token);
 - "error": the producer gave up; metadata says why.
 
 Every chunk names its handoff, kind and sequence number and carries the sha256 of its tensor
@@ -70,9 +72,9 @@ class HandoffChunk:
     kv: Mapping[int, tuple[WireTensor, WireTensor]] = field(default_factory=dict)
     states: Mapping[int, LayerState] = field(default_factory=dict)
     reason: str = ""  # error chunks
-    written_at: float = (
-        0.0  # wall clock when the producer wrote it (what a transfer adds is measured from it)
-    )
+    first_token: int = -1  # done chunks: the first completion token, when the prefill sampled it
+    # wall clock when the producer wrote it (what a transfer adds is measured from it)
+    written_at: float = 0.0
 
     def encode(self) -> bytes:
         tensors: dict[str, WireTensor] = {}
@@ -100,6 +102,7 @@ class HandoffChunk:
             "token_end": str(self.token_end),
             "states": json.dumps(states, separators=(",", ":")),
             "reason": self.reason,
+            "first_token": str(self.first_token),
             "written_at": repr(self.written_at),
             "data_sha256": _digest(tensors.values()),
         }
@@ -150,6 +153,7 @@ def decode_chunk(data: bytes, handoff_id: str = "") -> HandoffChunk:
             kv,
             states,
             meta.get("reason", ""),
+            int(meta.get("first_token", "-1")),
             float(meta.get("written_at", "0")),
         )
     except (KeyError, ValueError, TypeError) as error:
@@ -217,24 +221,40 @@ class HandoffWriter:
             HandoffChunk(self.handoff_id, self.next_seq, "state", token_end, token_end, states=states)
         )
 
-    def done(self, token_start: int, token_end: int) -> None:
-        self._write(HandoffChunk(self.handoff_id, self.next_seq, "done", token_start, token_end))
+    def done(self, token_start: int, token_end: int, first_token: int = -1) -> None:
+        chunk = HandoffChunk(self.handoff_id, self.next_seq, "done", token_start, token_end)
+        self._write(replace(chunk, first_token=first_token))
 
     def error(self, reason: str) -> None:
         self._write(HandoffChunk(self.handoff_id, self.next_seq, "error", reason=reason))
 
 
-def append_error(folder: str | Path, handoff_id: str, reason: str) -> None:
-    """End an unfinished handoff folder with an error chunk (nothing when it has ended already)."""
+def _appending_writer(folder: str | Path, handoff_id: str) -> HandoffWriter | None:
+    """A writer after an unfinished handoff folder's last chunk; None when it has ended already."""
     folder = Path(folder)
     count = 0
     while (folder / chunk_name(count)).is_file():
         count += 1
     if count and chunk_kind((folder / chunk_name(count - 1)).read_bytes()) in ("done", "error"):
-        return
+        return None
     writer = HandoffWriter(folder, handoff_id)
     writer.next_seq = count
-    writer.error(reason)
+    return writer
+
+
+def append_error(folder: str | Path, handoff_id: str, reason: str) -> None:
+    """End an unfinished handoff folder with an error chunk (nothing when it has ended already)."""
+    if (writer := _appending_writer(folder, handoff_id)) is not None:
+        writer.error(reason)
+
+
+def append_done(
+    folder: str | Path, handoff_id: str, token_start: int, token_end: int, first_token: int = -1
+) -> None:
+    """End a handoff folder whose KV chunks are all written with its done chunk (nothing when it
+    has ended already): for an engine that samples the first token after the KV is out."""
+    if (writer := _appending_writer(folder, handoff_id)) is not None:
+        writer.done(token_start, token_end, first_token)
 
 
 # A received handoff: its chunks in one file, framed as on the wire (one file, not one per chunk:

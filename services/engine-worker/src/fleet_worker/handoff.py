@@ -8,6 +8,8 @@
 3. stream: the decoder connects and reads the chunks as the engine writes them; staged: the
    prefill worker uploads each chunk, the decoder reads them from object storage.
 4. The decoder hands the complete folder to its engine (EngineRequest.kv_import) and decodes.
+   Asked with the request's sampling, a vLLM prefill also samples the first token, which the done
+   chunk carries: the decoder sends it at once, and its engine goes on from it.
 
 Whatever goes wrong on the way (no reply, refused, unreachable, stalled, broken, corrupt) ends in
 HandoffFailed and the decoder prefills the prompt itself: the request is answered either way.
@@ -25,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fleet_bus import Bus, RequestFailed
-from fleet_proto import HandoffStats, PrefillPlan, PrefillReply, PrefillRequest
+from fleet_proto import HandoffStats, PrefillPlan, PrefillReply, PrefillRequest, SamplingParams
 from fleet_proto.subjects import prefill_subject
 from fleet_store import ObjectStore
 from fleet_worker.engines.base import KVImport
@@ -183,9 +185,16 @@ class HandoffClient:
         self._stall_s = stall_s
 
     async def fetch(
-        self, request_id: str, plan: PrefillPlan, prompt: tuple[int, ...], start_pos: int, wire_dtype: str
+        self,
+        request_id: str,
+        plan: PrefillPlan,
+        prompt: tuple[int, ...],
+        start_pos: int,
+        wire_dtype: str,
+        sampling: SamplingParams | None = None,
     ) -> tuple[KVImport, HandoffStats]:
-        """The received handoff and its numbers; HandoffFailed when the decoder must prefill itself."""
+        """The received handoff and its numbers; HandoffFailed when the decoder must prefill itself.
+        With `sampling`, the prefill may sample the first token too (KVImport.first_token)."""
         transports = ("stream", "staged") if plan.transport == "auto" else (plan.transport,)
         for transport in transports:
             handoff_id = uuid.uuid4().hex
@@ -198,6 +207,7 @@ class HandoffClient:
                 start_pos=start_pos,
                 transport=transport,
                 wire_dtype=wire_dtype,
+                sampling=sampling,
             )
             started = time.perf_counter()
             try:
@@ -221,8 +231,15 @@ class HandoffClient:
                 prefill_s=received.first_at - started,
                 transfer_s=received.last_at - started,
                 tail_s=received.tail_s,
+                first_token=sampling is not None and received.first_token >= 0,
             )
-            return KVImport(folder=str(folder), handoff_id=handoff_id, start_pos=start_pos), stats
+            kv_import = KVImport(
+                folder=str(folder),
+                handoff_id=handoff_id,
+                start_pos=start_pos,
+                first_token=received.first_token if sampling is not None else -1,
+            )
+            return kv_import, stats
         raise HandoffFailed(f"no transport in {transports}")
 
     async def _receive(self, worker_id: str, request: PrefillRequest, folder: Path) -> Received:

@@ -56,6 +56,7 @@ class Received:
     first_at: float = 0.0  # perf_counter of the first chunk's arrival
     last_at: float = 0.0
     tail_s: float = 0.0  # the last chunk's write (producer's wall clock) -> its arrival
+    first_token: int = -1  # the request's first token, when the prefill sampled it (done chunk)
 
     def took(self, blob: bytes) -> bool:
         """Count an arrived chunk; True when it is the last one."""
@@ -67,6 +68,8 @@ class Received:
         if meta.get("kind") not in TERMINAL_KINDS:
             return False
         self.tail_s = max(time.time() - float(meta.get("written_at", "0") or 0), 0.0)
+        if meta.get("kind") == "done":
+            self.first_token = int(meta.get("first_token", "-1") or -1)
         return True
 
 

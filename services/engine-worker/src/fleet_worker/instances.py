@@ -36,7 +36,12 @@ from fleet_proto import (
     State,
     TokenChunk,
 )
-from fleet_proto.routing import KV_EXPORT_ENGINES, KV_IMPORT_ENGINES
+from fleet_proto.routing import (
+    FIRST_TOKEN_EXPORT_ENGINES,
+    FIRST_TOKEN_IMPORT_ENGINES,
+    KV_EXPORT_ENGINES,
+    KV_IMPORT_ENGINES,
+)
 from fleet_runtime.restarts import RestartPolicy
 from fleet_runtime.service import ServiceContext
 from fleet_store import (
@@ -733,10 +738,20 @@ class InstanceManager:
         if running.instance.engine in LOCAL_KV_ENGINES:  # its KV is not the card's dtype: its own
             wire_dtype = ""
         start_pos = self._held_prefix(running, task)
+        # the prefill may sample the first token, sent from here the moment the handoff is in
+        # (not when a log-probability is asked for: the token would come without it)
+        starts_from_first = (
+            running.instance.engine in FIRST_TOKEN_IMPORT_ENGINES and task.sampling.logprobs is None
+        )
         kv_import = None
         try:
             kv_import, stats = await self._handoffs.fetch(
-                task.request_id, task.prefill, task.prompt_token_ids, start_pos, wire_dtype
+                task.request_id,
+                task.prefill,
+                task.prompt_token_ids,
+                start_pos,
+                wire_dtype,
+                task.sampling if starts_from_first else None,
             )
             running.imports[task.request_id] = Path(kv_import.folder)
         except HandoffFailed as error:
@@ -750,6 +765,9 @@ class InstanceManager:
         finally:
             running.receiving.pop(task.request_id, None)
         running.handoff_stats[task.request_id] = stats
+        if kv_import is not None and kv_import.first_token >= 0:
+            if await self._send_first_token(running, task, kv_import.first_token):
+                return
         if running.engine.alive:
             self._submit(running, task, kv_import)
             return
@@ -758,6 +776,27 @@ class InstanceManager:
         await publish_chunk(
             self._ctx.bus, TokenChunk(request_id=task.request_id, finish_reason="error", error=error)
         )
+
+    async def _send_first_token(self, running: RunningInstance, task: GenerateTask, token: int) -> bool:
+        """Publish the first token the prefill sampled; True when it was the request's only one."""
+        rid = task.request_id
+        only = task.sampling.max_tokens <= 1
+        chunk = TokenChunk(
+            request_id=rid,
+            index=0,
+            token_ids=(token,),
+            finish_reason="length" if only else "",
+            prompt_tokens=len(task.prompt_token_ids),
+            completion_tokens=1,
+            handoff=running.handoff_stats.pop(rid, None) if only else None,
+        )
+        if only:
+            running.finish(rid)
+            shutil.rmtree(running.imports.pop(rid), ignore_errors=True)
+        else:
+            running.next_index[rid], running.generated[rid] = 1, 1
+        await publish_chunk(self._ctx.bus, chunk)
+        return only
 
     # -- the prefill side of disaggregation (called by the PrefillServer) ------------------------
     def start_export(self, request: PrefillRequest, folder: Path) -> str:
@@ -771,18 +810,23 @@ class InstanceManager:
         engine_id = export_request_id(request.handoff_id)
         running.exports[engine_id] = (folder, request.handoff_id)
         running.start(engine_id, len(request.prompt_token_ids))
+        sample_first = request.sampling is not None and running.instance.engine in FIRST_TOKEN_EXPORT_ENGINES
+        sampling = SamplingParams(max_tokens=1, temperature=0.0)
+        if sample_first and request.sampling is not None:
+            sampling = msgspec.structs.replace(request.sampling, max_tokens=1)
         export = KVExport(
             folder=str(folder),
             handoff_id=request.handoff_id,
             start_pos=request.start_pos,
             wire_dtype=request.wire_dtype,
+            sample_first=sample_first,
         )
         try:
             running.engine.submit(
                 EngineRequest(
                     request_id=engine_id,
                     prompt_token_ids=request.prompt_token_ids,
-                    sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                    sampling=sampling,
                     export=export,
                 )
             )

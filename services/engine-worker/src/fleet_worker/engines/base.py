@@ -44,6 +44,9 @@ class KVExport(msgspec.Struct, frozen=True, kw_only=True):
     handoff_id: str
     start_pos: int = 0
     wire_dtype: str = ""  # "": the engine's own dtype
+    # the engine samples the first token with the request's sampling and ends the handoff with it
+    # in the done chunk (engines in FIRST_TOKEN_EXPORT_ENGINES; the others end it without one)
+    sample_first: bool = False
 
 
 class KVImport(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +57,9 @@ class KVImport(msgspec.Struct, frozen=True, kw_only=True):
     folder: str
     handoff_id: str
     start_pos: int = 0
+    # >= 0: the first completion token, sampled by the prefill engine and already sent: the engine
+    # feeds the last prompt token and this one and generates from the second (FIRST_TOKEN_IMPORT_ENGINES)
+    first_token: int = -1
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):

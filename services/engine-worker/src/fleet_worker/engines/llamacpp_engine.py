@@ -139,6 +139,7 @@ class _Sequence(RequestProgress):
     admitted_at: float = 0.0
     apart: bool = False  # being prefilled in the prefill context
     started_apart: bool = False  # its reused prefix is in the prefill context
+    forced: int = -1  # the first token, sampled by the prefill engine: pending once the prompt is in
 
     @property
     def apart_until(self) -> int:
@@ -355,10 +356,19 @@ class LlamaCppEngine:
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
                 f"({request.sampling.max_tokens}) exceed the context of {window} tokens"
             )
+        forced = request.kv_import.first_token if request.kv_import is not None else -1
+        if not problem and forced >= self.vocab_size:
+            problem = f"first token {forced} is not in the vocabulary of {self.vocab_size}"
         if problem:
             self._pending.append(error_output(request, problem))
             return
         sequence = _Sequence(Sampler(request.sampling), request=request, seen=list(request.prompt_token_ids))
+        if forced >= 0:  # already sent: it counts, and the model reads it after the prompt
+            sequence.forced, sequence.generated = forced, 1
+            sequence.seen.append(forced)
+            if request.sampling.max_tokens <= 1:
+                self._pending.append(sequence.output(finish_reason="length"))
+                return
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
 
@@ -485,8 +495,12 @@ class LlamaCppEngine:
             if take <= 0:
                 break
             for i in range(sequence.fed, sequence.fed + take):
-                put(sequence, prompt[i], i == len(prompt) - 1)
+                put(sequence, prompt[i], i == len(prompt) - 1 and sequence.forced < 0)
             sequence.fed += take
+            if sequence.fed == len(prompt) and sequence.forced >= 0:
+                # the first token the prefill sampled is fed next step, as a sampled one would be:
+                # the same batches as a cold run, so the same tokens
+                sequence.pending, sequence.forced = sequence.forced, -1
             if sequence.fed < until:
                 progress.append(sequence)
         batch.n_tokens = n

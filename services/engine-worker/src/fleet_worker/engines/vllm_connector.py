@@ -25,7 +25,8 @@ folder, handoff id, start_pos, wire dtype). Each step the scheduler side names i
 computed in that step (on its first step also the rows vLLM or Fleet already had cached, from
 start_pos), and `save_kv_layer` writes them as one handoff chunk per layer the moment that layer
 is computed, so the decoder receives layer i while layer i + 1 computes; the step that reaches
-the prompt's last-but-one token ends the handoff with its done chunk.
+the prompt's last-but-one token ends the handoff with its done chunk (or, for an export with
+`sample_first`, leaves it to the engine, which writes it with the sampled first token).
 
 Rows move in and out of the paged cache through `vllm_paged` (block interiors differ per backend
 and, on CPU, per instruction set).
@@ -110,6 +111,7 @@ class ExportRows:
     last: int
     slots: tuple[int, ...]
     wire_dtype: str = ""
+    sample_first: bool = False  # the engine ends the handoff once the first token is sampled
 
     @property
     def completes(self) -> bool:
@@ -240,6 +242,7 @@ class FleetKVConnector(KVConnectorBase_V1):
                 last,
                 slots,
                 spec.get("wire_dtype", ""),
+                bool(spec.get("sample_first", False)),
             )
         ]
 
@@ -380,7 +383,8 @@ class FleetKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, FleetConnectorMetadata)
         for rows in meta.exports:
             if rows.completes:
-                self._writer(rows).done(rows.start_pos, rows.end)
+                if not rows.sample_first:
+                    self._writer(rows).done(rows.start_pos, rows.end)
                 del self._writers[rows.handoff_id]
         self.write_saved_blocks()  # what the engine did not write after the last step
         for transfer in meta.saves:
