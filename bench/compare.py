@@ -65,8 +65,9 @@ DEFAULT_WORKLOADS = "32x16@1,32x16@8,512x16@1"
 
 def missing_reason(name: str, tiny: bool) -> str:
     """Why a side cannot run here, or ''."""
+    # llama.cpp's server: llama_cpp comes with the engine, its server's own modules with make bench-install
     needs = {"fleet-mlx": "mlx_lm", "mlx-lm": "mlx_lm", "mlx_lm.server": "mlx_lm", "fleet-vllm": "vllm",
-             "vllm": "vllm", "fleet-llamacpp": "llama_cpp", "llama.cpp": "llama_cpp"}  # fmt: skip
+             "vllm": "vllm", "fleet-llamacpp": "llama_cpp", "llama.cpp": "starlette_context"}  # fmt: skip
     if name == "fleet-split":
         return missing_reason("fleet-vllm", tiny) or missing_reason("fleet-llamacpp", tiny)
     gguf = name in ("fleet-llamacpp", "llama.cpp")
