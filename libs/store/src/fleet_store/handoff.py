@@ -222,8 +222,11 @@ class HandoffWriter:
         )
 
     def done(self, token_start: int, token_end: int, first_token: int = -1) -> None:
-        chunk = HandoffChunk(self.handoff_id, self.next_seq, "done", token_start, token_end)
-        self._write(replace(chunk, first_token=first_token))
+        self._write(
+            HandoffChunk(
+                self.handoff_id, self.next_seq, "done", token_start, token_end, first_token=first_token
+            )
+        )
 
     def error(self, reason: str) -> None:
         self._write(HandoffChunk(self.handoff_id, self.next_seq, "error", reason=reason))

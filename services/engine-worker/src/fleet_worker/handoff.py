@@ -221,6 +221,7 @@ class HandoffClient:
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
+            first_token = received.first_token if sampling is not None else -1
             stats = HandoffStats(
                 prefill_worker_id=plan.worker_id,
                 transport=transport,
@@ -231,13 +232,10 @@ class HandoffClient:
                 prefill_s=received.first_at - started,
                 transfer_s=received.last_at - started,
                 tail_s=received.tail_s,
-                first_token=sampling is not None and received.first_token >= 0,
+                first_token=first_token >= 0,
             )
             kv_import = KVImport(
-                folder=str(folder),
-                handoff_id=handoff_id,
-                start_pos=start_pos,
-                first_token=received.first_token if sampling is not None else -1,
+                folder=str(folder), handoff_id=handoff_id, start_pos=start_pos, first_token=first_token
             )
             return kv_import, stats
         raise HandoffFailed(f"no transport in {transports}")

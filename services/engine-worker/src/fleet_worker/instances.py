@@ -766,37 +766,29 @@ class InstanceManager:
             running.receiving.pop(task.request_id, None)
         running.handoff_stats[task.request_id] = stats
         if kv_import is not None and kv_import.first_token >= 0:
-            if await self._send_first_token(running, task, kv_import.first_token):
-                return
+            await self._send_first_token(running, task, kv_import.first_token)
         if running.engine.alive:
-            self._submit(running, task, kv_import)
+            self._submit(running, task, kv_import)  # it ends a max_tokens=1 request at once
             return
+        index = running.next_index.get(task.request_id, 0)
         running.finish(task.request_id)
         error = f"the engine of instance {task.instance_id} exited"
-        await publish_chunk(
-            self._ctx.bus, TokenChunk(request_id=task.request_id, finish_reason="error", error=error)
-        )
+        chunk = TokenChunk(request_id=task.request_id, index=index, finish_reason="error", error=error)
+        await publish_chunk(self._ctx.bus, chunk)
 
-    async def _send_first_token(self, running: RunningInstance, task: GenerateTask, token: int) -> bool:
-        """Publish the first token the prefill sampled; True when it was the request's only one."""
+    async def _send_first_token(self, running: RunningInstance, task: GenerateTask, token: int) -> None:
+        """Publish the first token the prefill sampled as the request's chunk 0; the engine's
+        outputs follow it (the last one ends the request, as for any other)."""
         rid = task.request_id
-        only = task.sampling.max_tokens <= 1
+        running.next_index[rid], running.generated[rid] = 1, 1
         chunk = TokenChunk(
             request_id=rid,
             index=0,
             token_ids=(token,),
-            finish_reason="length" if only else "",
             prompt_tokens=len(task.prompt_token_ids),
             completion_tokens=1,
-            handoff=running.handoff_stats.pop(rid, None) if only else None,
         )
-        if only:
-            running.finish(rid)
-            shutil.rmtree(running.imports.pop(rid), ignore_errors=True)
-        else:
-            running.next_index[rid], running.generated[rid] = 1, 1
         await publish_chunk(self._ctx.bus, chunk)
-        return only
 
     # -- the prefill side of disaggregation (called by the PrefillServer) ------------------------
     def start_export(self, request: PrefillRequest, folder: Path) -> str:
@@ -810,16 +802,15 @@ class InstanceManager:
         engine_id = export_request_id(request.handoff_id)
         running.exports[engine_id] = (folder, request.handoff_id)
         running.start(engine_id, len(request.prompt_token_ids))
-        sample_first = request.sampling is not None and running.instance.engine in FIRST_TOKEN_EXPORT_ENGINES
-        sampling = SamplingParams(max_tokens=1, temperature=0.0)
-        if sample_first and request.sampling is not None:
-            sampling = msgspec.structs.replace(request.sampling, max_tokens=1)
+        # the decoder's sampling where this engine can sample the first token for it, else greedy
+        asked = request.sampling if running.instance.engine in FIRST_TOKEN_EXPORT_ENGINES else None
+        sampling = msgspec.structs.replace(asked or SamplingParams(temperature=0.0), max_tokens=1)
         export = KVExport(
             folder=str(folder),
             handoff_id=request.handoff_id,
             start_pos=request.start_pos,
             wire_dtype=request.wire_dtype,
-            sample_first=sample_first,
+            sample_first=asked is not None,
         )
         try:
             running.engine.submit(
