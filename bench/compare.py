@@ -121,8 +121,9 @@ def build_sides(
     os.environ["FLEET_DISAGG_MIN_TOKENS"] = str(split_min_tokens)
     # Fleet's MLX instance runs on worker w1, its vLLM instance on w2: each side's memory is its own
     # worker's process tree plus the shared services.
-    # The llamacpp instance shares w1 (its memory is counted with the MLX side's worker).
-    w1_engines = "mlx,llamacpp" if "fleet-llamacpp" in names else "mlx"
+    # The llamacpp instances (fleet-llamacpp, fleet-split's decoder) share w1 (their memory is counted
+    # with the MLX side's worker).
+    w1_engines = "mlx,llamacpp" if {"fleet-llamacpp", "fleet-split"} & set(names) else "mlx"
     manifest, w2_pid = stack.enter_context(
         two_workers(state_dir, {"FLEET_NODE_ENGINES": w1_engines}, {"FLEET_NODE_ENGINES": "vllm"})
     )

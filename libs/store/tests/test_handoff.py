@@ -13,7 +13,6 @@ from fleet_store.handoff import (
     HandoffError,
     HandoffWriter,
     LayerState,
-    append_done,
     append_error,
     assemble,
     chunk_kind,
@@ -150,13 +149,21 @@ def test_a_handoff_becomes_the_full_kv_blocks_it_covers(tmp_path):
         handoff_blocks(stateful, "fp", prompt, 4)
 
 
-def test_an_engine_ends_a_handoff_after_its_kv_with_the_sampled_first_token(tmp_path):
+def test_a_handoff_announces_its_first_token_ahead_of_its_last_kv(tmp_path):
     writer = HandoffWriter(tmp_path, "h1")
-    writer.kv(0, 4, {0: (rows(4), rows(4))})
-    append_done(tmp_path, "h1", 0, 4, first_token=318)
+    writer.kv(0, 2, {0: (rows(2), rows(2))})
+    writer.first(318)
+    writer.kv(2, 4, {0: (rows(2), rows(2))})
+    writer.done(0, 4, first_token=318)
     append_error(tmp_path, "h1", "too late: the handoff has ended")
     chunks = [decode_chunk(blob, "h1") for blob in read_folder(tmp_path)]
-    assert [(c.seq, c.kind, c.first_token) for c in chunks] == [(0, "kv", -1), (1, "done", 318)]
-    assert assemble(read_folder(tmp_path), "h1", 0).end == 4
+    assert [(c.seq, c.kind, c.first_token) for c in chunks] == [
+        (0, "kv", -1),
+        (1, "first", 318),
+        (2, "kv", -1),
+        (3, "done", 318),
+    ]
+    assembled = assemble(read_folder(tmp_path), "h1", 0)
+    assert assembled.end == 4 and len(assembled.rows[0]) == 2
     plain = HandoffChunk("h1", 0, "done", 0, 4)  # a done chunk without a first token says -1
     assert decode_chunk(plain.encode()).first_token == -1 and chunk_kind(plain.encode()) == "done"

@@ -158,8 +158,12 @@ async def test_vllm_to_llamacpp_on_smollm2(smollm2: Path, prompt: tuple[int, ...
         assert await decode_from(decoder, prompt, tmp_path / "v", "vllm") == colocated
         # vLLM samples the first token too: llama.cpp goes on from it to its own colocated tokens
         await prefill(prefiller, prompt, tmp_path / "f", "first", wire_dtype="F16", sample_first=True)
-        done = decode_chunk(list(read_folder(tmp_path / "f"))[-1])
+        chunks = [decode_chunk(blob) for blob in read_folder(tmp_path / "f")]
+        done, kinds = chunks[-1], [c.kind for c in chunks]
         assert (done.kind, done.first_token, done.token_end) == ("done", colocated[0], len(prompt) - 1)
+        # the token is announced ahead of the last step's layers (the decoder sends it on at once)
+        first = kinds.index("first")
+        assert chunks[first].first_token == colocated[0] and kinds[first + 1 :].count("kv") == 30
         assert await decode_from(decoder, prompt, tmp_path / "f", "first", done.first_token) == colocated[1:]
     finally:
         await prefiller.stop()

@@ -10,9 +10,10 @@ of `end`. It travels as numbered chunks, each one safetensors blob (the containe
   layers of a prefill chunk at once);
 - "state": the whole cache state of some layers, `layers.<i>.state.<j>`, with the cache class
   and its meta state (mlx-lm's `meta_state` strings) in the metadata;
-- "done": the last chunk, naming the token range covered and, when the prefill engine sampled
-  it (`first_token` >= 0), the request's first completion token (the decoder sends it at once
-  and feeds it after the last prompt token);
+- "first": the request's first completion token (`first_token`), when the prefill engine sampled
+  it; written the moment it is known, ahead of the last step's KV, so the decoder sends it on
+  while that KV still travels (the decoder feeds it after the last prompt token);
+- "done": the last chunk, naming the token range covered (and the first token again, if any);
 - "error": the producer gave up; metadata says why.
 
 Every chunk names its handoff, kind and sequence number and carries the sha256 of its tensor
@@ -44,7 +45,7 @@ from fleet_store.kv import (
 
 FORMAT = "fleet-kv-handoff"
 VERSION = 1
-KINDS = ("kv", "state", "done", "error")
+KINDS = ("kv", "state", "first", "done", "error")
 FRAME_HEADER = struct.Struct(">I")
 MAX_CHUNK_BYTES = 1 << 31  # a larger length prefix is a corrupt stream, not a chunk
 
@@ -72,7 +73,7 @@ class HandoffChunk:
     kv: Mapping[int, tuple[WireTensor, WireTensor]] = field(default_factory=dict)
     states: Mapping[int, LayerState] = field(default_factory=dict)
     reason: str = ""  # error chunks
-    first_token: int = -1  # done chunks: the first completion token, when the prefill sampled it
+    first_token: int = -1  # first and done chunks: the first completion token, when sampled
     # wall clock when the producer wrote it (what a transfer adds is measured from it)
     written_at: float = 0.0
 
@@ -221,6 +222,9 @@ class HandoffWriter:
             HandoffChunk(self.handoff_id, self.next_seq, "state", token_end, token_end, states=states)
         )
 
+    def first(self, first_token: int) -> None:
+        self._write(HandoffChunk(self.handoff_id, self.next_seq, "first", first_token=first_token))
+
     def done(self, token_start: int, token_end: int, first_token: int = -1) -> None:
         self._write(
             HandoffChunk(
@@ -249,15 +253,6 @@ def append_error(folder: str | Path, handoff_id: str, reason: str) -> None:
     """End an unfinished handoff folder with an error chunk (nothing when it has ended already)."""
     if (writer := _appending_writer(folder, handoff_id)) is not None:
         writer.error(reason)
-
-
-def append_done(
-    folder: str | Path, handoff_id: str, token_start: int, token_end: int, first_token: int = -1
-) -> None:
-    """End a handoff folder whose KV chunks are all written with its done chunk (nothing when it
-    has ended already): for an engine that samples the first token after the KV is out."""
-    if (writer := _appending_writer(folder, handoff_id)) is not None:
-        writer.done(token_start, token_end, first_token)
 
 
 # A received handoff: its chunks in one file, framed as on the wire (one file, not one per chunk:

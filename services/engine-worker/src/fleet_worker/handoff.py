@@ -32,6 +32,7 @@ from fleet_proto.subjects import prefill_subject
 from fleet_store import ObjectStore
 from fleet_worker.engines.base import KVImport
 from fleet_worker.handoff_transport import (
+    FirstTokenHook,
     HandoffFailed,
     HandoffUnreachable,
     Received,
@@ -192,9 +193,11 @@ class HandoffClient:
         start_pos: int,
         wire_dtype: str,
         sampling: SamplingParams | None = None,
+        on_first_token: FirstTokenHook | None = None,
     ) -> tuple[KVImport, HandoffStats]:
         """The received handoff and its numbers; HandoffFailed when the decoder must prefill itself.
-        With `sampling`, the prefill may sample the first token too (KVImport.first_token)."""
+        With `sampling`, the prefill may sample the first token too (KVImport.first_token), told to
+        `on_first_token` as soon as it arrives, ahead of the rest of the KV."""
         transports = ("stream", "staged") if plan.transport == "auto" else (plan.transport,)
         for transport in transports:
             handoff_id = uuid.uuid4().hex
@@ -211,7 +214,8 @@ class HandoffClient:
             )
             started = time.perf_counter()
             try:
-                received = await self._receive(plan.worker_id, request, folder)
+                hook = on_first_token if sampling is not None else None
+                received = await self._receive(plan.worker_id, request, folder, hook)
             except HandoffUnreachable:
                 shutil.rmtree(folder, ignore_errors=True)
                 if transport == transports[-1]:
@@ -240,7 +244,9 @@ class HandoffClient:
             return kv_import, stats
         raise HandoffFailed(f"no transport in {transports}")
 
-    async def _receive(self, worker_id: str, request: PrefillRequest, folder: Path) -> Received:
+    async def _receive(
+        self, worker_id: str, request: PrefillRequest, folder: Path, on_first_token: FirstTokenHook | None
+    ) -> Received:
         try:
             reply = await self._bus.request(
                 prefill_subject(worker_id), request, PrefillReply, REQUEST_TIMEOUT_S
@@ -250,5 +256,9 @@ class HandoffClient:
         if reply.error:
             raise HandoffFailed(f"prefill worker {worker_id} refused: {reply.error}")
         if request.transport == "staged":
-            return await download_staged(self._store, reply.staged_prefix, folder, self._stall_s)
-        return await receive_stream(reply.endpoints, request.handoff_id, folder, self._stall_s)
+            return await download_staged(
+                self._store, reply.staged_prefix, folder, self._stall_s, on_first_token
+            )
+        return await receive_stream(
+            reply.endpoints, request.handoff_id, folder, self._stall_s, on_first_token=on_first_token
+        )

@@ -11,7 +11,8 @@ carry them without looking inside (only the kind, to know the last one):
   reads them in order (each object verified by its sha256), then deletes them.
 
 A stall (no new chunk within `stall_s`), a broken connection or a missing chunk raises
-HandoffFailed: the decoder then prefills locally.
+HandoffFailed: the decoder then prefills locally. A receiver hears of the request's first token
+(a "first" chunk, or the done chunk) through `on_first_token` the moment it arrives.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ POLL_S = 0.002  # how often a chunk folder is looked at for the next file
 STAGED_POLL_S = 0.02
 SOCKET_BUFFER_BYTES = 4 << 20
 TERMINAL_KINDS = ("done", "error")
+FIRST_TOKEN_KINDS = ("first", "done")
+
+FirstTokenHook = Callable[[int], Awaitable[None]]
 
 
 class HandoffFailed(RuntimeError):
@@ -56,20 +60,25 @@ class Received:
     first_at: float = 0.0  # perf_counter of the first chunk's arrival
     last_at: float = 0.0
     tail_s: float = 0.0  # the last chunk's write (producer's wall clock) -> its arrival
-    first_token: int = -1  # the request's first token, when the prefill sampled it (done chunk)
+    first_token: int = -1  # the request's first token, when the prefill sampled it
+    on_first_token: FirstTokenHook | None = None
 
-    def took(self, blob: bytes) -> bool:
-        """Count an arrived chunk; True when it is the last one."""
+    async def took(self, blob: bytes) -> bool:
+        """Count an arrived chunk (telling on_first_token of the first token the first time it
+        comes); True when it is the last one."""
         self.last_at = time.perf_counter()
         self.first_at = self.first_at or self.last_at
         self.chunks += 1
         self.bytes += len(blob)
         meta = chunk_metadata(blob)
-        if meta.get("kind") not in TERMINAL_KINDS:
+        kind = meta.get("kind")
+        if kind in FIRST_TOKEN_KINDS and self.first_token < 0:
+            self.first_token = int(meta.get("first_token", "-1") or -1)
+            if self.first_token >= 0 and self.on_first_token is not None:
+                await self.on_first_token(self.first_token)
+        if kind not in TERMINAL_KINDS:
             return False
         self.tail_s = max(time.time() - float(meta.get("written_at", "0") or 0), 0.0)
-        if meta.get("kind") == "done":
-            self.first_token = int(meta.get("first_token", "-1") or -1)
         return True
 
 
@@ -135,11 +144,16 @@ def frames_file(folder: Path) -> Iterator[BinaryIO]:
 
 
 async def receive_stream(
-    endpoints: tuple[str, ...], handoff_id: str, folder: Path, stall_s: float, connect_s: float = 3.0
+    endpoints: tuple[str, ...],
+    handoff_id: str,
+    folder: Path,
+    stall_s: float,
+    connect_s: float = 3.0,
+    on_first_token: FirstTokenHook | None = None,
 ) -> Received:
     """Connect to the first endpoint that answers, ask for the handoff, write its chunks to folder."""
     reader, writer = await _connect(endpoints, connect_s)
-    received = Received()
+    received = Received(on_first_token=on_first_token)
     try:
         tune(writer)
         writer.write(f"{handoff_id}\n".encode())
@@ -151,7 +165,7 @@ async def receive_stream(
                     blob = await reader.readexactly(frame_length(header))
                 frames.write(header)  # into the page cache: no thread hop
                 frames.write(blob)
-                if received.took(blob):
+                if await received.took(blob):
                     return received
     except (asyncio.IncompleteReadError, ConnectionError, HandoffError) as error:
         raise HandoffFailed(f"the handoff stream broke after {received.chunks} chunks: {error!r}") from None
@@ -186,16 +200,22 @@ async def upload_folder(store: ObjectStore, folder: Path, handoff_id: str, stall
     return sent
 
 
-async def download_staged(store: ObjectStore, prefix: str, folder: Path, stall_s: float) -> Received:
+async def download_staged(
+    store: ObjectStore,
+    prefix: str,
+    folder: Path,
+    stall_s: float,
+    on_first_token: FirstTokenHook | None = None,
+) -> Received:
     """Read a staged handoff's chunks in order as they are uploaded, into folder; then delete them."""
-    received = Received()
+    received = Received(on_first_token=on_first_token)
     try:
         with frames_file(folder) as frames:
             while True:
                 blob = await _next_staged(store, f"{prefix}/{chunk_name(received.chunks)}", stall_s)
                 frames.write(FRAME_HEADER.pack(len(blob)))
                 frames.write(blob)
-                if received.took(blob):
+                if await received.took(blob):
                     return received
     finally:
         try:

@@ -738,12 +738,18 @@ class InstanceManager:
         if running.instance.engine in LOCAL_KV_ENGINES:  # its KV is not the card's dtype: its own
             wire_dtype = ""
         start_pos = self._held_prefix(running, task)
-        # the prefill may sample the first token, sent from here the moment the handoff is in
-        # (not when a log-probability is asked for: the token would come without it)
+        # the prefill may sample the first token, sent from here the moment it arrives, ahead of
+        # the last of the KV (not when a log-probability is asked for: it would come without it)
         starts_from_first = (
             running.instance.engine in FIRST_TOKEN_IMPORT_ENGINES and task.sampling.logprobs is None
         )
-        kv_import = None
+        kv_import, sent_first = None, -1
+
+        async def send_first(token: int) -> None:  # while the rest of the KV still travels
+            nonlocal sent_first
+            sent_first = token
+            await self._send_first_token(running, task, token)
+
         try:
             kv_import, stats = await self._handoffs.fetch(
                 task.request_id,
@@ -752,20 +758,24 @@ class InstanceManager:
                 start_pos,
                 wire_dtype,
                 task.sampling if starts_from_first else None,
+                send_first,
             )
             running.imports[task.request_id] = Path(kv_import.folder)
         except HandoffFailed as error:
             log.warning("request %s: remote prefill failed, prefilling here: %s", task.request_id, error)
             stats = HandoffStats(prefill_worker_id=task.prefill.worker_id, fallback=str(error))
+            if sent_first >= 0:  # the engine prefills, then goes on from the token already sent
+                kv_import = KVImport(folder="", handoff_id="", first_token=sent_first)
         except asyncio.CancelledError:
+            index = running.next_index.get(task.request_id, 0)  # 1 once the first token went out
             running.finish(task.request_id)
-            chunk = TokenChunk(request_id=task.request_id, index=0, finish_reason="cancelled")
+            chunk = TokenChunk(request_id=task.request_id, index=index, finish_reason="cancelled")
             await publish_chunk(self._ctx.bus, chunk)
             raise
         finally:
             running.receiving.pop(task.request_id, None)
         running.handoff_stats[task.request_id] = stats
-        if kv_import is not None and kv_import.first_token >= 0:
+        if kv_import is not None and kv_import.first_token >= 0 and sent_first < 0:
             await self._send_first_token(running, task, kv_import.first_token)
         if running.engine.alive:
             self._submit(running, task, kv_import)  # it ends a max_tokens=1 request at once

@@ -60,6 +60,7 @@ class KVImport(msgspec.Struct, frozen=True, kw_only=True):
     # >= 0: the first completion token, sampled by the prefill engine and already sent: the engine
     # feeds the last prompt token and this one and generates from the second (FIRST_TOKEN_IMPORT_ENGINES)
     first_token: int = -1
+    # folder "": the token came but its KV did not (the handoff broke after it): prefill, go on from it
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -700,6 +700,8 @@ class LlamaCppEngine:
         try:
             if self._kv_layout is None:
                 raise HandoffError(self.kv_problem)
+            if not spec.folder:
+                raise HandoffError("the handoff broke after its first token")
             if spec.start_pos:
                 raise HandoffError("llama.cpp takes whole-prompt handoffs (start_pos 0)")
             kv = assemble(read_folder(spec.folder), spec.handoff_id, spec.start_pos)

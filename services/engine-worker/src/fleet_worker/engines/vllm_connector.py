@@ -25,8 +25,12 @@ folder, handoff id, start_pos, wire dtype). Each step the scheduler side names i
 computed in that step (on its first step also the rows vLLM or Fleet already had cached, from
 start_pos), and `save_kv_layer` writes them as one handoff chunk per layer the moment that layer
 is computed, so the decoder receives layer i while layer i + 1 computes; the step that reaches
-the prompt's last-but-one token ends the handoff with its done chunk (or, for an export with
-`sample_first`, leaves it to the engine, which writes it with the sampled first token).
+the prompt's last-but-one token ends the handoff with its done chunk. An export with
+`sample_first` is the exception in its last step: that step's layers are only page-copied in the
+forward pass, and the engine calls `finish_export` once it sampled the first token, which writes
+the token's chunk first, then those layers, then done, so the decoder sends the first token on
+while the last KV is still being written (measured: writing 540 tokens' f32 layers inside the
+forward pass held the first token back by ~0.3 s on 2 cores).
 
 Rows move in and out of the paged cache through `vllm_paged` (block interiors differ per backend
 and, on CPU, per instruction set).
@@ -171,6 +175,8 @@ class FleetKVConnector(KVConnectorBase_V1):
         self._queued: list[tuple[BlockTransfer, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
         self._load_errors: set[int] = set()
         self._writers: dict[str, HandoffWriter] = {}  # handoff id -> its chunk folder
+        # handoff id -> its last step's layers, page-copied, until its first token (finish_export)
+        self._finishing: dict[str, list[tuple[ExportRows, int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     # -- scheduler side ----------------------------------------------------------------------------
     def _prompt_blocks(self, request: Request) -> list[tuple[str, str, int, tuple[int, ...]]]:
@@ -348,7 +354,10 @@ class FleetKVConnector(KVConnectorBase_V1):
             return
         layer = self._caches[layer_name][0]
         for rows in meta.exports:
-            if rows.last > rows.first:
+            if rows.last > rows.first and rows.sample_first and rows.completes:
+                copied = self._copy_pages(kv_layer, rows.slots)
+                self._finishing.setdefault(rows.handoff_id, []).append((rows, layer, copied))
+            elif rows.last > rows.first:
                 self._export_layer(rows, layer, kv_layer)
         for transfer in meta.saves:
             self._assembling.setdefault(transfer.block_hash, {})[layer] = self._copy_pages(
@@ -373,18 +382,37 @@ class FleetKVConnector(KVConnectorBase_V1):
 
     def _export_layer(self, rows: ExportRows, layer: int, kv_layer: torch.Tensor) -> None:
         slots = torch.tensor(rows.slots, dtype=torch.long, device=kv_layer.device)
-        keys, values = self._paged().gather(kv_layer, slots)
+        self._write_rows(self._writer(rows), rows, layer, *self._paged().gather(kv_layer, slots))
+
+    def _write_rows(
+        self, writer: HandoffWriter, rows: ExportRows, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         if rows.wire_dtype:  # e.g. fp8 or f32 pages, narrowed or widened to what the decoder reads
             keys, values = keys.to(WIRE_TO_TORCH[rows.wire_dtype]), values.to(WIRE_TO_TORCH[rows.wire_dtype])
-        self._writer(rows).kv(rows.first, rows.last, {layer: (to_wire(keys), to_wire(values))})
+        writer.kv(rows.first, rows.last, {layer: (to_wire(keys), to_wire(values))})
+
+    def finish_export(self, folder: str, handoff_id: str, start_pos: int, end: int, first_token: int) -> None:
+        """End a `sample_first` export once its first token is sampled (-1: none to send): the
+        token's chunk, then the last step's layers, then done."""
+        # the writer of its earlier steps' chunks, if it had any
+        writer = self._writers.pop(handoff_id, None) or HandoffWriter(folder, handoff_id)
+        if first_token >= 0:
+            writer.first(first_token)
+        for rows, layer, (pages, slots) in self._finishing.pop(handoff_id, []):
+            self._write_rows(writer, rows, layer, *self._paged().gather(pages, slots))
+        writer.done(start_pos, end, first_token)
+
+    def drop_export(self, handoff_id: str) -> None:
+        """Forget a cancelled export's held pages and writer (its folder is the worker's to remove)."""
+        self._finishing.pop(handoff_id, None)
+        self._writers.pop(handoff_id, None)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FleetConnectorMetadata)
         for rows in meta.exports:
-            if rows.completes:
-                if not rows.sample_first:
-                    self._writer(rows).done(rows.start_pos, rows.end)
+            if rows.completes and not rows.sample_first:  # else finish_export ends it
+                self._writer(rows).done(rows.start_pos, rows.end)
                 del self._writers[rows.handoff_id]
         self.write_saved_blocks()  # what the engine did not write after the last step
         for transfer in meta.saves:

@@ -37,7 +37,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from fleet_proto import HandoffStats
-from fleet_store.handoff import HandoffError, append_done, assemble, handoff_blocks, read_folder
+from fleet_store.handoff import HandoffError, assemble, handoff_blocks, read_folder
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder, folder_fingerprint
 from fleet_worker.engines.base import (
     EngineOutput,
@@ -232,6 +232,8 @@ class VllmEngine:
             return  # already finished, or never known
         self._engine.abort_request([request_id])
         self._imported.pop(request_id, None)
+        if sequence.request.export is not None and has_kv_transfer_group():
+            get_kv_transfer_group().drop_export(sequence.request.export.handoff_id)
         self._pending.append(sequence.output([], "cancelled"))
 
     def has_work(self) -> bool:
@@ -270,10 +272,12 @@ class VllmEngine:
             self._imported.pop(sequence.request.request_id, None)
         tokens = emitted_tokens(new_tokens, finish_reason, sequence.stop_ids)
         if (export := sequence.request.export) is not None:
-            if export.sample_first and finish_reason:  # the connector left the done chunk to us
+            if export.sample_first and finish_reason:  # the connector left the handoff's end to us
                 first = tokens[0] if tokens else -1  # a stop token: the decoder samples again
                 end = len(sequence.request.prompt_token_ids) - 1
-                append_done(export.folder, export.handoff_id, export.start_pos, end, first)
+                get_kv_transfer_group().finish_export(
+                    export.folder, export.handoff_id, export.start_pos, end, first
+                )
             tokens, finish_reason = [], "length" if finish_reason else ""  # its product is the KV
         cached = (result.num_cached_tokens or 0) if finish_reason else 0
         top = sequence.request.sampling.logprobs
