@@ -108,20 +108,23 @@ def embedded_stack(
     engine: str = "",
     env: Mapping[str, str] | None = None,
     auth: bool = False,
+    prefill_engine: str = "none",
 ) -> Iterator[stack.StackManifest]:
     """`fleet up --detach` serving `model` from `model_dir` (on `engine`; no model: `model` ""),
     stopped by PID afterwards. The servers always run with credentials; the gateway's API keys are
-    on only with `auth` (tests of other things call it without keys)."""
+    on only with `auth` (tests of other things call it without keys); no prefill partner unless
+    `prefill_engine` asks for one ("auto": as `make run`)."""
     command = [
         sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
         "--port", str(free_port()), "--model", model,
     ]  # fmt: skip
     if not auth:
         command.append("--no-auth")
-    if model:
+    if model and model_dir is not None:  # else the default model's own source
         command += ["--model-source", f"file://{model_dir}"]
     if engine:
         command += ["--engine", engine]
+    command += ["--prefill-engine", prefill_engine]
     up = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     manifest = stack.read_manifest(state_dir)
     try:

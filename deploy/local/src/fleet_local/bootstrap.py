@@ -67,23 +67,57 @@ def stage_and_serve(
     say: Callable[[str], None],
     engine: str = "",
     key: str = "",
-) -> str:
+) -> dict:
     """Stage `model` (skipped by the downloader when already staged) and make sure it has an instance
-    (on `engine` when given); `key`: the gateway's admin key when auth is on."""
+    (on `engine` when given); that instance as GET /state shows it. `key`: the gateway's admin key
+    when auth is on."""
     call("POST", f"{gateway}/models", {"model": model, "source": source}, key)
     downloads = lambda state: state["downloads"].get(model)  # noqa: E731
     _follow(gateway, f"staging {model}", downloads, "phase", timeout_s, say, key)
+    return serve_instance(gateway, model, timeout_s, say, key, engine=engine)
+
+
+def serve_instance(
+    gateway: str,
+    model: str,
+    timeout_s: float,
+    say: Callable[[str], None],
+    key: str = "",
+    engine: str = "",
+    role: str = "both",
+) -> dict:
+    """A live instance of a staged model in `role` (on `engine` when given), created unless one is
+    there; returned once ready."""
     state = call("GET", f"{gateway}/state", key=key)
     live = [
         i
         for i in state["instances"].values()
-        if i["model_id"] == model and i["status"] != "failed" and engine in ("", i["engine"])
+        if i["model_id"] == model
+        and i["status"] != "failed"
+        and engine in ("", i["engine"])
+        and i.get("role", "both") == role
     ]
     if live:
         instance_id = live[0]["instance_id"]
     else:
-        body = {"model": model, "engine": engine} if engine else {"model": model}
+        body = {"model": model, "role": role} | ({"engine": engine} if engine else {})
         instance_id = call("POST", f"{gateway}/instances", body, key)["instance_id"]
     lookup = lambda state: state["instances"].get(instance_id)  # noqa: E731
     _follow(gateway, f"instance {instance_id}", lookup, "status", timeout_s, say, key)
-    return instance_id
+    return call("GET", f"{gateway}/state", key=key)["instances"][instance_id]
+
+
+# On a CPU, a llama.cpp decoder is fastest one stream at a time while vLLM (f32) prefills long
+# prompts fastest: `fleet up` pairs them (README, issue 16's numbers), when vLLM is installed.
+SPLIT_DECODE_ENGINE, SPLIT_PREFILL_ENGINE = "llamacpp", "vllm"
+SPLIT_MIN_TOKENS = 256  # prompts longer than this prefill on the partner (measured: bench compare)
+
+
+def wants_prefill_partner(decoder: dict, prefill_engine: str, vllm_installed: bool) -> str:
+    """The engine of the prefill partner `fleet up` adds for `decoder` ("": none). prefill_engine:
+    "auto" (vLLM beside a llama.cpp decoder, when installed), "none", or an engine's name."""
+    if prefill_engine == "none":
+        return ""
+    if prefill_engine != "auto":
+        return prefill_engine
+    return SPLIT_PREFILL_ENGINE if decoder["engine"] == SPLIT_DECODE_ENGINE and vllm_installed else ""

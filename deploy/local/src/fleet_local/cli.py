@@ -14,6 +14,7 @@ fleet bench NAME [ARGS...]                       (run bench/NAME.py of this chec
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -24,7 +25,17 @@ from pathlib import Path
 
 from fleet_bus.auth import redacted
 from fleet_local import stack
-from fleet_local.bootstrap import DEFAULT_MODEL, DEFAULT_SOURCE, BootstrapError, stage_and_serve
+from fleet_local.bootstrap import (
+    DEFAULT_MODEL,
+    DEFAULT_SOURCE,
+    SPLIT_DECODE_ENGINE,
+    SPLIT_MIN_TOKENS,
+    SPLIT_PREFILL_ENGINE,
+    BootstrapError,
+    serve_instance,
+    stage_and_serve,
+    wants_prefill_partner,
+)
 from fleet_local.processes import StartupError, http_ok, pid_alive
 from fleet_local.pull import pull
 from fleet_local.services import (
@@ -46,6 +57,9 @@ def fleet_command() -> str:
 def _cmd_up(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     began = time.monotonic()
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    pairs = args.prefill_engine != "none" and (args.prefill_engine != "auto" or vllm_installed)
+    defaults = {"FLEET_DISAGG_MIN_TOKENS": str(SPLIT_MIN_TOKENS)} if args.model and pairs else {}
     try:
         manifest = stack.up(
             state_dir,
@@ -53,6 +67,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             auth=not args.no_auth,
             services=not args.infra_only,
+            defaults=defaults,
         )
     except StartupError as exc:
         print(f"fleet up failed: {exc}", file=sys.stderr)
@@ -67,7 +82,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.model:
         print(f"Serving {args.model} (first run converts and stages it: about a minute)")
         try:
-            stage_and_serve(
+            decoder = stage_and_serve(
                 manifest.gateway_url,
                 args.model,
                 args.model_source,
@@ -80,6 +95,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"fleet up: {exc or 'interrupted'}; stopping the stack", file=sys.stderr)
             stack.down(state_dir)
             return 1
+        if partner := wants_prefill_partner(decoder, args.prefill_engine, vllm_installed):
+            _serve_prefill_partner(manifest, args, partner, decoder["engine"])
         print(
             f"  ready: curl {manifest.gateway_url}/v1/chat/completions{auth} "
             "-H 'Content-Type: application/json' "
@@ -102,6 +119,27 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 0
     print("Press Ctrl-C to stop.")
     return _watch(state_dir, manifest)
+
+
+def _serve_prefill_partner(
+    manifest: stack.StackManifest, args: argparse.Namespace, engine: str, decoder_engine: str
+) -> None:
+    """A prefill-role instance beside the decoder: prompts over FLEET_DISAGG_MIN_TOKENS prefill
+    there and their KV moves to the decoder. Without it the stack still serves (prompts prefill
+    where they decode), so a failure here is a warning."""
+    print(f"Adding a {engine} prefill instance: {decoder_engine} decodes, {engine} prefills long prompts")
+    try:
+        serve_instance(
+            manifest.gateway_url,
+            args.model,
+            args.timeout * 5,
+            print,
+            manifest.admin_key,
+            engine=engine,
+            role="prefill",
+        )
+    except BootstrapError as exc:
+        print(f"fleet up: no prefill partner ({exc}); prompts prefill on {decoder_engine}", file=sys.stderr)
 
 
 def _infra_only_up(state_dir: Path, manifest: stack.StackManifest, detach: bool) -> int:
@@ -269,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         "--engine",
         default="",
         help="engine for the model's instance: mlx or vllm (default: the scheduler picks)",
+    )
+    up_parser.add_argument(
+        "--prefill-engine",
+        default="auto",
+        help="a prefill-role instance of the model on this engine ('none' for none; default auto: "
+        f"{SPLIT_PREFILL_ENGINE} beside a {SPLIT_DECODE_ENGINE} decoder, when installed)",
     )
     up_parser.add_argument(
         "--model-source", default=DEFAULT_SOURCE, help=f"where it comes from (default {DEFAULT_SOURCE})"

@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -109,11 +110,15 @@ def nats_url_with_credentials(url: str, creds: StackSecrets) -> str:
 
 
 def _service_settings(
-    state_dir: Path, connection: dict[str, str], port: int, auth: StackSecrets | None
+    state_dir: Path,
+    connection: dict[str, str],
+    port: int,
+    auth: StackSecrets | None,
+    defaults: Mapping[str, str],
 ) -> Settings:
-    """The user's FLEET_* settings (node overrides, log level...) with the embedded servers' addresses
-    and credentials, and the gateway's keys unless auth is off."""
-    user, connected = load_settings(), load_settings(connection)
+    """The user's FLEET_* settings (node overrides, log level...; `defaults` where they set none)
+    with the embedded servers' addresses and credentials, and the gateway's keys unless auth is off."""
+    user, connected = load_settings({**defaults, **os.environ}), load_settings(connection)
     servers = {f: getattr(connected, f) for f in (name.removeprefix("FLEET_").lower() for name in connection)}
     keys = {"api_keys": "", "admin_keys": ""}
     if auth is not None:  # the generated keys, and any the user's FLEET_API_KEYS / FLEET_ADMIN_KEYS add
@@ -138,10 +143,12 @@ def up(
     timeout_s: float = 120.0,
     auth: bool = True,
     services: bool = True,
+    defaults: Mapping[str, str] | None = None,
 ) -> StackManifest:
     """Start everything and return once every service answers /health; on failure, stop what started.
     Every server runs with the generated credentials; `auth=False` leaves the gateway's APIs open.
-    `services=False` starts only the servers, for services run on their own (`fleet worker ...`)."""
+    `services=False` starts only the servers, for services run on their own (`fleet worker ...`).
+    `defaults`: FLEET_* settings for the services where the user's environment sets none."""
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     existing = read_manifest(state_dir)
@@ -168,7 +175,9 @@ def up(
         write_manifest(manifest)
         if not services:
             return manifest
-        settings = _service_settings(state_dir, manifest.env, gateway_port, creds if auth else None)
+        settings = _service_settings(
+            state_dir, manifest.env, gateway_port, creds if auth else None, defaults or {}
+        )
         manifest.gateway_url = f"http://127.0.0.1:{gateway_port}"
         manifest.metrics_url = f"http://127.0.0.1:{settings.metrics_port}/metrics"
         base_env = {**os.environ, **settings_env(settings)}
