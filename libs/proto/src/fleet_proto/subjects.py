@@ -26,6 +26,7 @@ from fleet_proto.messages import (
     RouteRequest,
     TokenChunk,
 )
+from fleet_proto.traces import SpanBatch
 
 
 class Retention(StrEnum):
@@ -132,6 +133,9 @@ def metrics_subject(node_id: str) -> str:
     return f"fleet.metrics.{subject_token(node_id)}"
 
 
+TRACE_SPANS_SUBJECT = "fleet.traces.spans"
+
+
 CHANNELS: tuple[Channel, ...] = (
     *(
         Channel(
@@ -210,5 +214,11 @@ CHANNELS: tuple[Channel, ...] = (
         messages=(NodeMetrics,),
         retention=Retention.CORE,
         description="A node's dynamic metrics, about once a second.",
+    ),
+    Channel(
+        subject=TRACE_SPANS_SUBJECT,
+        messages=(SpanBatch,),
+        retention=Retention.CORE,
+        description="Finished spans of request traces, every service -> metrics-collector.",
     ),
 )

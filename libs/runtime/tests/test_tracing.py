@@ -1,0 +1,51 @@
+"""A service's Tracing: spans become SpanRecords with their parents and categories, a traceparent
+carries a trace into another service's Tracing, sampling at the root decides for the whole trace."""
+
+from __future__ import annotations
+
+from fleet_bus.trace_context import remote_context, traceparent
+from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
+from fleet_runtime.tracing import Tracing
+
+
+def test_spans_nest_and_carry_their_category_and_attributes() -> None:
+    tracing = Tracing("gateway", "gateway-1")
+    with tracing.span("http", "http", {REQUEST_ID_ATTRIBUTE: "chatcmpl-1"}) as root:
+        with tracing.span("tokenize", "tokenize"):
+            pass
+        tracing.record("prefill", "prefill", 10, 5, parent=root, error="engine exited")
+    records = {r.name: r for r in tracing.processor.take()}
+    http, tokenize, prefill = records["http"], records["tokenize"], records["prefill"]
+    assert http.parent_id == "" and tokenize.parent_id == prefill.parent_id == http.span_id
+    assert {r.trace_id for r in records.values()} == {http.trace_id} and len(http.trace_id) == 32
+    assert (tokenize.category, http.attributes, http.service_id) == (
+        "tokenize",
+        {REQUEST_ID_ATTRIBUTE: "chatcmpl-1"},
+        "gateway-1",
+    )
+    assert (prefill.start_ns, prefill.end_ns, prefill.error) == (10, 10, "engine exited")
+    assert tracing.processor.take() == ()
+
+
+def test_a_traceparent_continues_the_trace_in_another_service() -> None:
+    gateway, worker = Tracing("gateway", "g"), Tracing("engine-worker", "w")
+    with gateway.span("generate", "stream"):
+        header = traceparent()
+    with worker.span("decode", "decode", parent=remote_context(header)):
+        pass
+    (sent,), (received,) = gateway.processor.take(), worker.processor.take()
+    assert (received.trace_id, received.parent_id, received.service) == (
+        sent.trace_id,
+        sent.span_id,
+        "engine-worker",
+    )
+    assert remote_context("") is None and remote_context({"other": "x"}) is None
+
+
+def test_the_root_samples_and_the_rest_follow() -> None:
+    unsampled, follower = Tracing("gateway", "g", sample_rate=0.0), Tracing("scheduler", "s")
+    with unsampled.span("http", "http"):
+        header = traceparent()
+    with follower.span("route", "route", parent=remote_context(header)):
+        pass
+    assert unsampled.processor.take() == () and follower.processor.take() == ()
