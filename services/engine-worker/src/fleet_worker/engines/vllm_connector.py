@@ -354,10 +354,12 @@ class FleetKVConnector(KVConnectorBase_V1):
             return
         layer = self._caches[layer_name][0]
         for rows in meta.exports:
-            if rows.last > rows.first and rows.sample_first and rows.completes:
+            if rows.last <= rows.first:
+                continue
+            if rows.sample_first and rows.completes:  # written by finish_export, after the token
                 copied = self._copy_pages(kv_layer, rows.slots)
                 self._finishing.setdefault(rows.handoff_id, []).append((rows, layer, copied))
-            elif rows.last > rows.first:
+            else:
                 self._export_layer(rows, layer, kv_layer)
         for transfer in meta.saves:
             self._assembling.setdefault(transfer.block_hash, {})[layer] = self._copy_pages(
