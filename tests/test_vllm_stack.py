@@ -51,6 +51,9 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.Stack
         **os.environ,
         "OMP_NUM_THREADS": "1",  # fastest for a tiny model on 2 cores
         "FLEET_ENGINE_OPTIONS": json.dumps({"vllm": {"kv_cache_bytes": 128 << 20}}),
+        # the cross-engine tests rely on the prior (MLX decodes when it is ready): background
+        # calibration of MLX would let measured speeds pick vLLM, by when it happens to finish
+        "FLEET_CALIBRATION": "off",
     }
     with embedded_stack(tmp_path_factory.mktemp("fleet-vllm"), MODEL, model_dir, "vllm", env) as manifest:
         yield manifest
