@@ -3,7 +3,7 @@ carries a trace into another service's Tracing, sampling at the root decides for
 
 from __future__ import annotations
 
-from fleet_bus.trace_context import remote_context, traceparent
+from fleet_bus.trace_context import is_sampled, remote_context, traceparent
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
 from fleet_runtime.tracing import Tracing
 
@@ -49,3 +49,6 @@ def test_the_root_samples_and_the_rest_follow() -> None:
     with follower.span("route", "route", parent=remote_context(header)):
         pass
     assert unsampled.processor.take() == () and follower.processor.take() == ()
+    assert not is_sampled(remote_context(header)) and not is_sampled(None)
+    with follower.span("route", "route"):
+        assert is_sampled(remote_context(traceparent()))

@@ -28,9 +28,11 @@ from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBuffer
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from opentelemetry import context as otel_context
 
 from fleet_bus.auth import NatsAuth, redacted
 from fleet_bus.cancel import raise_if_cancelling
+from fleet_bus.trace_context import remote_context, trace_headers
 from fleet_proto import encode
 from fleet_proto.commands import Command
 from fleet_proto.subjects import command_subject, event_subject, task_subject
@@ -205,7 +207,7 @@ class Bus:
         no ack: then `maybe_stored`). Retries carry the same Nats-Msg-Id, so a retry of an attempt
         that did land is acknowledged as a duplicate and stored once."""
         deadline = time.monotonic() + self.timeout_s
-        headers = {"Nats-Msg-Id": msg_id}
+        headers = {"Nats-Msg-Id": msg_id, **trace_headers()}
         maybe_stored = False
         why = "not connected"
         while (remaining := deadline - time.monotonic()) > 0:
@@ -244,7 +246,7 @@ class Bus:
 
     # Core NATS: not persisted.
     async def publish(self, subject: str, message: msgspec.Struct) -> None:
-        await self.nc.publish(subject, encode(message))
+        await self.nc.publish(subject, encode(message), headers=trace_headers() or None)
 
     async def request(
         self, subject: str, message: msgspec.Struct, reply_type: type[T], timeout_s: float
@@ -252,7 +254,9 @@ class Bus:
         if not self.nc.is_connected:  # fail now, rather than queue a request that would outlive us
             raise RequestFailed(f"not connected to NATS: no request on {subject}")
         try:
-            reply = await self.nc.request(subject, encode(message), timeout=timeout_s)
+            reply = await self.nc.request(
+                subject, encode(message), timeout=timeout_s, headers=trace_headers() or None
+            )
         except NoRespondersError:
             raise RequestFailed(f"nobody serves {subject}") from None
         except NatsTimeoutError:
@@ -269,12 +273,18 @@ class Bus:
         """Answer requests on `subject` (a queue group spreads them over replicas)."""
 
         async def on_request(msg: Msg) -> None:
+            # the handler's spans are children of the requester's (its traceparent header)
+            remote = remote_context(msg.headers)
+            token = otel_context.attach(remote) if remote is not None else None
             try:
                 request = msgspec.json.decode(msg.data, type=request_type)
                 reply = await handler(request)
             except Exception:
                 log.exception("handler for %s failed", subject)
                 return
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
             await msg.respond(encode(reply))
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_request)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
+from opentelemetry.trace import get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACEPARENT = "traceparent"
@@ -38,3 +39,8 @@ def remote_context(carrier: Mapping[str, str] | str | None) -> Context | None:
     if TRACEPARENT not in headers:
         return None
     return _propagator.extract(headers, context=otel_context.Context())
+
+
+def is_sampled(context: Context | None) -> bool:
+    """Whether spans under `context` are recorded (the root's sampling decision)."""
+    return context is not None and get_current_span(context).get_span_context().trace_flags.sampled

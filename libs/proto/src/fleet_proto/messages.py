@@ -46,6 +46,10 @@ class GenerateTask(Frozen, tag_field="kind", tag="generate"):
     block_hashes: tuple[str, ...] = ()
     kv_fingerprint: str = ""
     prefill: PrefillPlan | None = None
+    # Tracing: the W3C traceparent of the gateway's generate span (the worker's spans hang from
+    # it), and when the gateway published the task (ns since the epoch: the queue wait's start).
+    traceparent: str = ""
+    sent_at_ns: int = 0
 
 
 class HandoffStats(Frozen):

@@ -26,7 +26,15 @@ from fleet_proto.messages import (
     RouteRequest,
     TokenChunk,
 )
-from fleet_proto.traces import SpanBatch
+from fleet_proto.traces import (
+    SpanBatch,
+    TraceDeleteReply,
+    TraceDeleteRequest,
+    TraceListReply,
+    TraceListRequest,
+    TraceReply,
+    TraceRequest,
+)
 
 
 class Retention(StrEnum):
@@ -134,6 +142,9 @@ def metrics_subject(node_id: str) -> str:
 
 
 TRACE_SPANS_SUBJECT = "fleet.traces.spans"
+TRACE_LIST_SUBJECT = "fleet.traces.list"
+TRACE_GET_SUBJECT = "fleet.traces.get"
+TRACE_DELETE_SUBJECT = "fleet.traces.delete"
 
 
 CHANNELS: tuple[Channel, ...] = (
@@ -220,5 +231,26 @@ CHANNELS: tuple[Channel, ...] = (
         messages=(SpanBatch,),
         retention=Retention.CORE,
         description="Finished spans of request traces, every service -> metrics-collector.",
+    ),
+    Channel(
+        subject=TRACE_LIST_SUBJECT,
+        messages=(TraceListRequest,),
+        reply=TraceListReply,
+        retention=Retention.CORE,
+        description="The newest traces, gateway -> metrics-collector (request/reply).",
+    ),
+    Channel(
+        subject=TRACE_GET_SUBJECT,
+        messages=(TraceRequest,),
+        reply=TraceReply,
+        retention=Retention.CORE,
+        description="One trace's spans and time per category, gateway -> metrics-collector.",
+    ),
+    Channel(
+        subject=TRACE_DELETE_SUBJECT,
+        messages=(TraceDeleteRequest,),
+        reply=TraceDeleteReply,
+        retention=Retention.CORE,
+        description="Forget one trace or all, gateway -> metrics-collector (request/reply).",
     ),
 )

@@ -166,3 +166,30 @@ def summarize(trace_id: str, spans: Sequence[SpanRecord]) -> TraceSummary:
         services=tuple(sorted({s.service for s in spans})),
         error=next((s.error for s in spans if s.error), ""),
     )
+
+
+# -- queries, gateway -> metrics-collector (request/reply) ------------------------------------------
+class TraceListRequest(Frozen):
+    limit: int = 100
+
+
+class TraceListReply(Frozen):
+    traces: tuple[TraceSummary, ...] = ()
+
+
+class TraceRequest(Frozen):
+    key: str  # a trace id or a request id
+
+
+class TraceReply(Frozen):
+    trace_id: str = ""  # "": no such trace
+    spans: tuple[SpanRecord, ...] = ()
+    stats: TraceStats | None = None
+
+
+class TraceDeleteRequest(Frozen):
+    key: str = ""  # "": every trace
+
+
+class TraceDeleteReply(Frozen):
+    deleted: int = 0

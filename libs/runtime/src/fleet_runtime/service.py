@@ -24,6 +24,7 @@ from fleet_proto import ServiceInfo, ServiceKind, ServiceStarted, ServiceStopped
 from fleet_runtime.health import HealthCheck, health_handler, start_http
 from fleet_runtime.logs import setup_logging
 from fleet_runtime.settings import Settings, load_settings
+from fleet_runtime.tracing import Tracing
 
 VERSION = "0.1.0"
 SHUTDOWN_TASKS_S = 5.0
@@ -43,6 +44,9 @@ class ServiceContext:
         # "events": the State follower is subscribed (after a NATS restart it re-subscribes).
         self.health_checks: dict[str, HealthCheck] = {"nats": self._check_nats, "events": follower.check}
         self.routes: list[web.RouteDef] = []
+        self.tracing = Tracing(
+            kind.value, self.service_id, settings.trace_sample_rate, settings.otlp_endpoint
+        )
         self._tasks: list[asyncio.Task[Any]] = []
         self._cleanups: list[Callable[[], Awaitable[None]]] = []
 
@@ -118,6 +122,7 @@ async def serve(
     await follower.start()
     ctx = ServiceContext(kind, settings, bus, follower)
     await main(ctx)
+    ctx.spawn(ctx.tracing.run(bus), name="trace-publisher")
     port = settings.health_port if health_port is None else health_port
     runner = None
     if port:
@@ -140,6 +145,8 @@ async def serve(
         for cleanup in reversed(ctx._cleanups):
             with contextlib.suppress(Exception):
                 await cleanup()
+        with contextlib.suppress(Exception):
+            await ctx.tracing.close(bus)  # the last spans, while the bus is up
         with contextlib.suppress(Exception):
             await bus.publish_event(
                 ServiceStopped(service_id=ctx.service_id, origin=ctx.service_id, at=time.time())

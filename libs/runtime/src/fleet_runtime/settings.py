@@ -59,6 +59,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Disaggregated prefill/decode: a prompt whose uncached part is longer than this many tokens is
     # prefilled on a separate prefill instance of the same base model, when there is one.
     disagg_min_tokens: int = 1000
+    # Request tracing: the share of requests the gateway traces (each service follows its choice),
+    # and an OTLP/HTTP collector to export spans to besides the metrics-collector ("": none).
+    trace_sample_rate: float = 1.0
+    otlp_endpoint: str = ""
+    # How many recent traces the metrics-collector keeps (the oldest go first).
+    trace_store_traces: int = 1000
     # Where a worker serves the KV handoffs it prefills, over TCP (port 0: any free one), and the
     # endpoints it tells decoders (comma-separated host:port, fastest path first; default: the bound
     # address, or every interface address by link speed when bound to 0.0.0.0).

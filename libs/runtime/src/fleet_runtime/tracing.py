@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 PUBLISH_INTERVAL_S = 0.2
 MAX_BATCH = 512
 MAX_HELD = 20_000  # spans waiting to be published; beyond it the oldest are dropped
+# Per-output work (decode steps, detokenize, stream writes) is traced for the 1st, then every 8th
+# output: the shape of a long stream stays visible at a fraction of the spans.
+DETAIL_EVERY = 8
 log = logging.getLogger("fleet_runtime.tracing")
 
 
@@ -40,7 +43,7 @@ def span_record(span: ReadableSpan, service: str, service_id: str) -> SpanRecord
     context, parent = span.get_span_context(), span.parent
     attributes = dict(span.attributes or {})
     category = str(attributes.pop(CATEGORY_ATTRIBUTE, "other"))
-    error = span.status.description or "error" if span.status.status_code == StatusCode.ERROR else ""
+    error = (span.status.description or "error") if span.status.status_code == StatusCode.ERROR else ""
     return SpanRecord(
         trace_id=f"{context.trace_id:032x}",
         span_id=f"{context.span_id:016x}",
@@ -123,6 +126,18 @@ class Tracing:
         ) as span:
             yield span
 
+    def start_span(
+        self,
+        name: str,
+        category: str,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        parent: Context | None = None,
+    ) -> Span:
+        """A span that is not made current (for one that outlives a block: the caller ends it)."""
+        return self._tracer.start_span(
+            name, context=parent, attributes={CATEGORY_ATTRIBUTE: category, **(attributes or {})}
+        )
+
     def record(
         self,
         name: str,
@@ -132,8 +147,9 @@ class Tracing:
         parent: Context | Span | None = None,
         attributes: Mapping[str, AttributeValue] | None = None,
         error: str = "",
-    ) -> None:
-        """A span timed elsewhere (an engine's prefill, a queue wait read off a message)."""
+    ) -> Span:
+        """A span timed elsewhere (an engine's prefill, a queue wait read off a message); it can
+        still parent spans recorded after it."""
         context = set_span_in_context(parent) if isinstance(parent, Span) else parent
         span = self._tracer.start_span(
             name,
@@ -144,6 +160,7 @@ class Tracing:
         if error:
             span.set_status(StatusCode.ERROR, error)
         span.end(end_time=max(end_ns, start_ns))
+        return span
 
     async def run(self, bus: Bus) -> None:
         while True:
@@ -157,3 +174,8 @@ class Tracing:
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+def detailed(output_number: int) -> bool:
+    """Whether a stream's `output_number`-th output (from 0) gets spans of its own."""
+    return output_number % DETAIL_EVERY == 0

@@ -21,6 +21,7 @@ import msgspec
 import psutil
 
 from fleet_bus import BusUnavailable, Delivery, publish_chunk
+from fleet_bus.trace_context import is_sampled, remote_context
 from fleet_proto import (
     GenerateTask,
     HandoffStats,
@@ -44,6 +45,7 @@ from fleet_proto.routing import (
 )
 from fleet_runtime.restarts import RestartPolicy
 from fleet_runtime.service import ServiceContext
+from fleet_runtime.tracing import now_ns
 from fleet_store import (
     DEFAULT_REVISION,
     MODELS_BUCKET,
@@ -63,6 +65,7 @@ from fleet_worker.handoff import HandoffClient
 from fleet_worker.handoff_transport import HandoffFailed
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
+from fleet_worker.request_trace import RequestTrace, record_request
 
 log = logging.getLogger("fleet_worker")
 LOAD_TIMEOUT_S = 600.0
@@ -224,6 +227,7 @@ class RunningInstance:
         self.receiving: dict[str, asyncio.Task[None]] = {}
         self.imports: dict[str, Path] = {}
         self.handoff_stats: dict[str, HandoffStats] = {}
+        self.traces: dict[str, RequestTrace] = {}  # traced requests: when their stages ran
         self.pump: asyncio.Task[None] | None = None
         self.warmup_id = f"warmup-{instance.instance_id}"
         # the worker's own requests (warm-up, calibration): request id -> its final output
@@ -238,7 +242,7 @@ class RunningInstance:
         self.idle.clear()
 
     def finish(self, request_id: str) -> None:
-        for table in (self.next_index, self.prompt_tokens, self.generated):
+        for table in (self.next_index, self.prompt_tokens, self.generated, self.traces):
             table.pop(request_id, None)
         if not self.next_index:
             self.idle.set()
@@ -633,6 +637,9 @@ class InstanceManager:
                 self._export_output(running, output)
                 continue
             index = running.next_index.get(output.request_id, 0)
+            trace = running.traces.get(output.request_id)
+            if trace is not None and output.token_ids:
+                trace.on_output(now_ns(), len(output.token_ids))
             if output.finish_reason:
                 running.finish(output.request_id)
                 if self._kv is not None:
@@ -642,6 +649,8 @@ class InstanceManager:
                     shutil.rmtree(folder, ignore_errors=True)
                 stats = merged_stats(running.handoff_stats.pop(output.request_id, None), output.handoff)
                 output = msgspec.structs.replace(output, handoff=stats)
+                if trace is not None:
+                    record_request(self._ctx.tracing, trace, now_ns(), output)
             else:
                 running.next_index[output.request_id] = index + 1
                 running.generated[output.request_id] = output.completion_tokens
@@ -697,9 +706,15 @@ class InstanceManager:
             await publish_chunk(self._ctx.bus, chunk)
             return
         running.start(task.request_id, len(task.prompt_token_ids))
+        received = now_ns()
+        if is_sampled(parent := remote_context(task.traceparent)):
+            running.traces[task.request_id] = RequestTrace(parent, task.sent_at_ns, received)
         if self._kv is not None and running.kv_fingerprint and task.block_hashes:
             usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_settings.block_size]
-            running.fetched[task.request_id] = await self._kv.prefetch(running.kv_fingerprint, usable)
+            fetched = await self._kv.prefetch(running.kv_fingerprint, usable)
+            running.fetched[task.request_id] = fetched
+            if (trace := running.traces.get(task.request_id)) is not None:
+                trace.kv_fetch = (received, now_ns(), len(fetched))
         if task.prefill is not None and self._handoffs is not None:
             if running.instance.engine in KV_IMPORT_ENGINES and len(task.prompt_token_ids) > 1:
                 receive = self._decode_disaggregated(running, task)
@@ -718,6 +733,8 @@ class InstanceManager:
             sampling=task.sampling,
             kv_import=kv_import,
         )
+        if (trace := running.traces.get(task.request_id)) is not None:
+            trace.submitted_ns = now_ns()
         running.engine.submit(request)
 
     def _held_prefix(self, running: RunningInstance, task: GenerateTask) -> int:
@@ -743,7 +760,7 @@ class InstanceManager:
         starts_from_first = (
             running.instance.engine in FIRST_TOKEN_IMPORT_ENGINES and task.sampling.logprobs is None
         )
-        kv_import, sent_first = None, -1
+        kv_import, sent_first, fetch_started = None, -1, now_ns()
 
         async def send_first(token: int) -> None:  # while the rest of the KV still travels
             nonlocal sent_first
@@ -774,6 +791,8 @@ class InstanceManager:
             raise
         finally:
             running.receiving.pop(task.request_id, None)
+        if (trace := running.traces.get(task.request_id)) is not None:
+            trace.transfer = (fetch_started, now_ns())
         running.handoff_stats[task.request_id] = stats
         if kv_import is not None and kv_import.first_token >= 0 and sent_first < 0:
             await self._send_first_token(running, task, kv_import.first_token)

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
+from opentelemetry.trace import get_current_span, set_span_in_context
 
 from fleet_bus import Bus, RequestFailed, StateFollower, StreamBroken, TokenStreamReader
+from fleet_bus.trace_context import traceparent
 from fleet_proto import (
     CancelRequest,
     GenerateTask,
@@ -30,6 +32,8 @@ from fleet_proto import (
 )
 from fleet_proto.routing import DEFAULT_DISAGG_MIN_TOKENS, route
 from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, TASK_STREAM, cancel_subject
+from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
+from fleet_runtime.tracing import Tracing
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, block_hashes
 
 log = logging.getLogger("fleet_gateway")
@@ -78,15 +82,29 @@ def prefill_plan(decision: RouteReply, transport: str) -> PrefillPlan | None:
     )
 
 
+def decision_attributes(decision: RouteReply) -> dict[str, str]:
+    """A route span's attributes: where the request goes, and why."""
+    attributes = {
+        "fleet.instance_id": decision.instance_id,
+        "fleet.worker_id": decision.worker_id,
+        "fleet.reason": decision.reason or decision.error,
+    }
+    if decision.prefill_instance_id:
+        attributes["fleet.prefill_worker_id"] = decision.prefill_worker_id
+    return attributes
+
+
 class Generator:
     def __init__(
         self,
         bus: Bus,
         follower: StateFollower,
         liveness: NodeLiveness,
+        tracing: Tracing,
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
     ) -> None:
+        self._tracing = tracing
         self._kv_block_size = kv_block_size
         self._disagg_min_tokens = disagg_min_tokens
         self._bus = bus
@@ -129,7 +147,10 @@ class Generator:
             kv_fingerprint=kv_fingerprint,
             disaggregate=disaggregate,
         )
-        decision = await self._route(route_request)
+        get_current_span().set_attributes({REQUEST_ID_ATTRIBUTE: request_id, "fleet.model": model_id})
+        with self._tracing.span("route", "route", {"fleet.prompt_tokens": len(prompt_token_ids)}) as span:
+            decision = await self._route(route_request)
+            span.set_attributes(decision_attributes(decision))
         if not decision.instance_id:
             raise NoInstance(decision.error)
         target = [decision.worker_id]  # the worker the task is with now (re-routing changes it)
@@ -139,6 +160,10 @@ class Generator:
         await reader.open()
         finished = False
         first_token_at = 0.0
+        # publish -> last chunk; the worker's spans hang from it (GenerateTask.traceparent)
+        generating = self._tracing.start_span(
+            "generate", "stream", {"fleet.instance_id": decision.instance_id}
+        )
         try:
             for attempt in range(MAX_REROUTES + 1):
                 task = GenerateTask(
@@ -149,6 +174,8 @@ class Generator:
                     block_hashes=hashes,
                     kv_fingerprint=kv_fingerprint,
                     prefill=prefill_plan(decision, transport),
+                    traceparent=traceparent(set_span_in_context(generating)),
+                    sent_at_ns=time.time_ns(),
                 )
                 seq = await self._bus.publish_task(decision.worker_id, task)
                 received = False
@@ -190,6 +217,7 @@ class Generator:
                 )  # fmt: skip
                 target[0] = decision.worker_id
         finally:
+            generating.end()
             if not finished:  # client gone or stream broken: stop the engine's work too
                 with contextlib.suppress(Exception):
                     await asyncio.shield(

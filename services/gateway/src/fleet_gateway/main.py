@@ -28,6 +28,7 @@ from fleet_gateway.ollama_routes import ollama_routes
 from fleet_gateway.openai_routes import openai_routes
 from fleet_gateway.openapi import openapi_document
 from fleet_gateway.sampling import RequestLimits
+from fleet_gateway.trace_routes import trace_routes, tracing_middleware
 from fleet_gateway.turns import Turns
 from fleet_proto import ServiceKind
 from fleet_runtime.health import health_handler, start_http
@@ -49,7 +50,12 @@ async def main(ctx: ServiceContext) -> None:
     metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=liveness.on_metrics)
     catalog = ModelCatalog(store, Path(ctx.settings.state_dir) / "gateway" / "tokenizers")
     generator = Generator(
-        ctx.bus, ctx.follower, liveness, ctx.settings.kv_block_size, ctx.settings.disagg_min_tokens
+        ctx.bus,
+        ctx.follower,
+        liveness,
+        ctx.tracing,
+        ctx.settings.kv_block_size,
+        ctx.settings.disagg_min_tokens,
     )
 
     settings = ctx.settings
@@ -63,6 +69,7 @@ async def main(ctx: ServiceContext) -> None:
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,
     )
     middlewares = [
+        tracing_middleware(ctx.tracing),  # outermost: the root span covers the whole request
         error_middleware,
         auth_middleware(keys),
         limits_middleware(
@@ -75,13 +82,14 @@ async def main(ctx: ServiceContext) -> None:
     app.add_routes(state_routes(ctx.follower))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
     limits = RequestLimits(settings.max_prompt_tokens, settings.max_completion_tokens)
-    turns = Turns(generator, catalog, ctx.follower, limits)
+    turns = Turns(generator, catalog, ctx.follower, ctx.tracing, limits)
     app.add_routes(openai_routes(turns, ctx.follower))
     app.add_routes(anthropic_routes(turns))
     app.add_routes(ollama_routes(turns, ctx.follower))
     document = openapi_document()
     app.router.add_get("/openapi.json", lambda _: web.json_response(document))
     app.add_routes(dashboard_routes(ctx.follower, redis, liveness.live_samples))
+    app.add_routes(trace_routes(ctx.bus))
     app.add_routes(kv_routes(KVIndex(redis), ctx.settings.kv_block_size, liveness.live_samples))
     runner = await start_http(
         app, ctx.settings.gateway_host, ctx.settings.gateway_port, cancel_on_disconnect=True

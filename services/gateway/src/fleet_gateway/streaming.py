@@ -6,6 +6,7 @@ from aiohttp import web
 
 from fleet_gateway.frames import SSE, Event, Progress, StreamFormat, progress_frame
 from fleet_gateway.turns import Failed, Finished, Run
+from fleet_runtime.tracing import detailed
 
 
 def event_frames(stream_format: StreamFormat, event: Event) -> list[bytes]:
@@ -28,8 +29,15 @@ async def stream_run(request: web.Request, run: Run, stream_format: StreamFormat
     frames = stream_format.start()
     if frames:
         await response.write(b"".join(frames))
+    writes = 0
     async for event in run.events():
         frames = event_frames(stream_format, event)
-        if frames:
+        if not frames:
+            continue
+        if detailed(writes):
+            with run.tracing.span("stream write", "stream", {"fleet.frames": len(frames)}):
+                await response.write(b"".join(frames))
+        else:
             await response.write(b"".join(frames))
+        writes += 1
     return response

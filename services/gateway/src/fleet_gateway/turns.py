@@ -12,6 +12,7 @@ still a proper error response; afterwards failures arrive as a `Failed` event.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_proto import SamplingParams, TokenChunk
 from fleet_proto.messages import TokenLogprob
+from fleet_runtime.tracing import Tracing, detailed
 from fleet_store import StoreError
 
 
@@ -156,8 +158,15 @@ class Prepared:
 class Run:
     """One generation, started: iterate `events()` once (closing it early cancels the engine)."""
 
-    def __init__(self, prepared: Prepared, first: TokenChunk | None, chunks: AsyncIterator[TokenChunk]):
+    def __init__(
+        self,
+        prepared: Prepared,
+        first: TokenChunk | None,
+        chunks: AsyncIterator[TokenChunk],
+        tracing: Tracing,
+    ):
         self.prepared = prepared
+        self.tracing = tracing
         self._first = first
         self._chunks = chunks
 
@@ -165,9 +174,14 @@ class Run:
     def prompt_tokens(self) -> int:
         return len(self.prepared.prompt)
 
+    def _detokenizing(self, output_number: int, tokens: int) -> contextlib.AbstractContextManager:
+        if not detailed(output_number):
+            return contextlib.nullcontext()
+        return self.tracing.span("detokenize", "detokenize", {"fleet.tokens": tokens})
+
     async def events(self) -> AsyncIterator[Event]:
         step = self.prepared.step
-        engine_reason, last, first_token_at = "stop", None, 0.0
+        engine_reason, last, first_token_at, outputs = "stop", None, 0.0, 0
         try:
             chunk = self._first
             while chunk is not None:
@@ -181,8 +195,10 @@ class Run:
                 if chunk.token_ids and not first_token_at:
                     first_token_at = time.monotonic()
                 last = chunk
-                delta = step.push(chunk.token_ids)
-                delta.logprobs = [token_score(self.prepared.model.tokenizer, lp) for lp in chunk.logprobs]
+                with self._detokenizing(outputs, len(chunk.token_ids)):
+                    delta = step.push(chunk.token_ids)
+                    delta.logprobs = [token_score(self.prepared.model.tokenizer, lp) for lp in chunk.logprobs]
+                outputs += 1
                 if delta:
                     yield delta
                 if step.hit_stop or chunk.finish_reason:
@@ -230,8 +246,10 @@ class Turns:
         generator: Generator,
         catalog: ModelCatalog,
         follower: StateFollower,
+        tracing: Tracing,
         limits: RequestLimits = NO_LIMITS,
     ) -> None:
+        self._tracing = tracing
         self._limits = limits
         self._generator = generator
         self._catalog = catalog
@@ -259,8 +277,10 @@ class Turns:
     async def prepare_chat(self, turn: ChatTurn) -> Prepared:
         model = await self.resolve(turn.model)
         formats = tool_format(model, turn.tools)
-        text = render_prompt(model, turn.messages, turn.tools)
-        prompt = model.tokenizer.encode(text)
+        with self._tracing.span("tokenize", "tokenize") as span:
+            text = render_prompt(model, turn.messages, turn.tools)
+            prompt = model.tokenizer.encode(text)
+            span.set_attribute("fleet.prompt_tokens", len(prompt))
         return Prepared(
             model,
             prompt,
@@ -299,4 +319,4 @@ class Turns:
             raise ApiError(503, str(exc)) from None
         except StreamBroken as exc:
             raise ApiError(503, str(exc)) from None
-        return Run(prepared, first, chunks)
+        return Run(prepared, first, chunks, self._tracing)

@@ -19,8 +19,25 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from fleet_bus import error_text
 from fleet_metrics.api import nodes_view
 from fleet_metrics.registry import CONTENT_TYPE, FleetMetrics
+from fleet_metrics.traces import TraceStore
 from fleet_proto import NodeMetrics, ServiceKind
 from fleet_proto.messages import RequestStats
+from fleet_proto.subjects import (
+    TRACE_DELETE_SUBJECT,
+    TRACE_GET_SUBJECT,
+    TRACE_LIST_SUBJECT,
+    TRACE_SPANS_SUBJECT,
+)
+from fleet_proto.traces import (
+    SpanBatch,
+    TraceDeleteReply,
+    TraceDeleteRequest,
+    TraceListReply,
+    TraceListRequest,
+    TraceReply,
+    TraceRequest,
+    trace_stats,
+)
 from fleet_runtime.service import ServiceContext, run
 from fleet_runtime.settings import load_settings
 from fleet_store import series
@@ -37,6 +54,7 @@ REDIS_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 _metrics_decoder = msgspec.json.Decoder(NodeMetrics)
 _stats_decoder = msgspec.json.Decoder(RequestStats)
+_spans_decoder = msgspec.json.Decoder(SpanBatch)
 
 
 class SeriesWriter:
@@ -126,6 +144,7 @@ async def main(ctx: ServiceContext) -> None:
     stats_sub = await ctx.bus.nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_request_stats)
     ctx.on_shutdown(stats_sub.unsubscribe)
     ctx.spawn(write_series(), name="series-writer")
+    await serve_traces(ctx, TraceStore(ctx.settings.trace_store_traces))
 
     async def get_metrics(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -153,6 +172,37 @@ async def main(ctx: ServiceContext) -> None:
         web.get("/api/nodes", get_nodes),
         web.get("/api/nodes/{node_id}/series", get_series),
     ]
+
+
+async def serve_traces(ctx: ServiceContext, store: TraceStore) -> None:
+    """Keep every service's spans, answer the gateway's trace queries."""
+
+    async def on_spans(msg: Msg) -> None:
+        try:
+            store.add(_spans_decoder.decode(msg.data).spans)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+
+    async def list_traces(request: TraceListRequest) -> TraceListReply:
+        return TraceListReply(traces=tuple(store.summaries(request.limit)))
+
+    async def get_trace(request: TraceRequest) -> TraceReply:
+        trace_id, spans = store.trace_id(request.key), store.get(request.key)
+        if not spans:
+            return TraceReply()
+        return TraceReply(trace_id=trace_id, spans=tuple(spans), stats=trace_stats(trace_id, spans))
+
+    async def delete_traces(request: TraceDeleteRequest) -> TraceDeleteReply:
+        return TraceDeleteReply(deleted=store.delete(request.key))
+
+    subs = [
+        await ctx.bus.nc.subscribe(TRACE_SPANS_SUBJECT, cb=on_spans),
+        await ctx.bus.serve(TRACE_LIST_SUBJECT, TraceListRequest, list_traces),
+        await ctx.bus.serve(TRACE_GET_SUBJECT, TraceRequest, get_trace),
+        await ctx.bus.serve(TRACE_DELETE_SUBJECT, TraceDeleteRequest, delete_traces),
+    ]
+    for sub in subs:
+        ctx.on_shutdown(sub.unsubscribe)
 
 
 def cli() -> None:

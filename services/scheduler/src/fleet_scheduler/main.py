@@ -282,10 +282,20 @@ async def main(ctx: ServiceContext) -> None:
     lookup = KVLookup(KVIndex(client), ctx.settings.kv_block_size)
 
     async def on_route(request: RouteRequest):
-        cached, tier2, unindexed = await lookup.cached_prefixes(request)
-        reply = route(
-            ctx.follower.state, request, tracker.load(), cached, tier2, ctx.settings.disagg_min_tokens
-        )
+        with ctx.tracing.span("kv lookup (Redis)", "kv", {"fleet.blocks": len(request.block_hashes)}) as span:
+            cached, tier2, unindexed = await lookup.cached_prefixes(request)
+            span.set_attributes(
+                {
+                    "fleet.tier1_nodes": len(cached),  # nodes holding a prefix in memory
+                    "fleet.tier1_tokens": max(cached.values(), default=0),
+                    "fleet.tier2_tokens": tier2,  # in object storage
+                }
+            )
+        with ctx.tracing.span("route decision", "route") as span:
+            reply = route(
+                ctx.follower.state, request, tracker.load(), cached, tier2, ctx.settings.disagg_min_tokens
+            )
+            span.set_attribute("fleet.reason", reply.reason or reply.error)
         if unindexed and reply.instance_id:  # say so: "0 tokens cached" alone reads like a cold cache
             reply = msgspec.structs.replace(reply, reason=f"{reply.reason}; {unindexed}")
         if reply.instance_id:
