@@ -1,8 +1,8 @@
 """The dashboard in headless Chromium (Debian's chromium + chromedriver, driven by Selenium) against
 the real embedded stack: the topology shows the worker node, creating an instance from the models
 view makes it ready, a chat message streams an answer, the metrics plot has points (node memory, and
-the chat's time to first token). A screenshot of
-each view is saved under test-artifacts/dashboard/."""
+the chat's time to first token), the traces view draws the chat request's timeline. A screenshot
+of each view is saved under test-artifacts/dashboard/."""
 
 from __future__ import annotations
 
@@ -135,3 +135,60 @@ def test_the_metrics_plot_has_points(gateway, browser) -> None:
     # the chat's request left a time-to-first-token point on its node (the metrics-collector's series)
     Select(css(browser, "#metrics-metric")[0]).select_by_value("ttft_s")
     wait(browser, lambda b: int(css(b, "#metrics-plot")[0].get_attribute("data-points") or 0) >= 1, 30)
+
+
+def test_the_traces_view_shows_the_chat_requests_timeline(gateway, browser) -> None:
+    show(browser, "traces")
+
+    def chat_requests(b):  # the list refreshes itself while the view is open
+        return [item for item in css(b, ".trace-item .trace-pick") if "/v1/chat/completions" in item.text]
+
+    wait(browser, chat_requests, 30)[0].click()
+    timeline = "#trace-timeline:not([data-trace-id='']) .trace-bar"
+
+    def whole_trace(b):
+        """The bars once the worker's spans are in (they come in their own batch); else fetch again."""
+        bars = css(b, timeline)
+        if any(bar.get_attribute("data-category") == "decode" for bar in bars):
+            return bars
+        css(b, '.trace-item[aria-current="true"] .trace-pick')[0].click()
+        return None
+
+    bars = wait(browser, whole_trace, 30)
+    categories = {bar.get_attribute("data-category") for bar in bars}
+    services = {bar.get_attribute("data-service") for bar in bars}
+    assert {"http", "tokenize", "route", "queue", "prefill", "decode"} <= categories
+    assert {"gateway", "scheduler", "engine-worker"} <= services
+    for bar in bars:  # every bar lies on the track
+        left, width = (float(bar.value_of_css_property(p).removesuffix("px")) for p in ("left", "width"))
+        track = bar.find_element("xpath", "..").size["width"]
+        assert 0 <= left and left + width <= track + 1 and width > 0
+    stats = css(browser, "#trace-stats tbody tr[data-category]")
+    assert {row.get_attribute("data-category") for row in stats} >= {"prefill", "decode"}
+    screenshot(browser, "traces")
+
+
+def test_the_timeline_orders_spans_under_their_parents_and_keeps_bars_on_the_axis(gateway, browser) -> None:
+    """The view's pure layout functions, run in the page's own module."""
+    result = browser.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        import("/ui/app.js").then((m) => {
+          const span = (id, parent, start, end) =>
+            ({ span_id: id, parent_id: parent, start_ns: start, end_ns: end });
+          const spans = [span("c", "a", 50, 90), span("a", "", 0, 100), span("b", "a", 10, 40),
+                         span("d", "b", 20, 30), span("x", "gone", 60, 61)];
+          done({
+            rows: m.spanRows(spans).map((r) => [r.span.span_id, r.depth]),
+            whole: m.barGeometry(span("a", "", 0, 100), 0, 100),
+            tiny: m.barGeometry(span("t", "", 100, 100), 0, 100),
+            empty: m.barGeometry(span("e", "", 5, 5), 5, 0),
+          });
+        }).catch((e) => done({ error: String(e) }));
+        """
+    )
+    assert "error" not in result, result
+    assert result["rows"] == [["a", 0], ["b", 1], ["d", 2], ["c", 1], ["x", 0]]
+    assert result["whole"] == {"left": 0, "width": 100}
+    assert result["tiny"]["width"] > 0 and result["tiny"]["left"] + result["tiny"]["width"] <= 100
+    assert result["empty"] == {"left": 0, "width": 100}

@@ -2,7 +2,8 @@
 workers on a tiny random llama): one chat request gives one trace whose spans come from the
 gateway, the scheduler and the worker, linked parent to child, with a root as long as the client
 waited (within 5%) and categories that add up to it; a disaggregated request's trace has the KV
-transfer span with its bytes; GET/DELETE /v1/traces work without any external tool."""
+transfer span with its bytes and, under it, the prefill worker's own spans; GET/DELETE /v1/traces
+work without any external tool."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import aiohttp
@@ -63,16 +65,18 @@ async def setup(gateway: str, model_dir: Path) -> None:
         )
 
 
-async def whole_trace(session: aiohttp.ClientSession, gateway: str, request_id: str) -> tuple[dict, dict]:
-    """The request's trace once every service's spans are in, and its stats."""
+async def whole_trace(
+    session: aiohttp.ClientSession, gateway: str, request_id: str, needs: frozenset[str] = frozenset()
+) -> tuple[dict, dict]:
+    """The request's trace once every service's spans are in (and the spans named in `needs`: a
+    prefill worker's come in its own batch), and its stats."""
     deadline = time.monotonic() + 10
     while True:  # spans reach the store within a publish interval or two
         async with session.get(f"{gateway}/v1/traces/{request_id}") as response:
             trace = await response.json()
         services = {s["service"] for s in trace.get("spans", ())}
-        if {"gateway", "scheduler", "engine-worker"} <= services and any(
-            s["name"] == "worker task" for s in trace["spans"]
-        ):
+        names = {s["name"] for s in trace.get("spans", ())}
+        if {"gateway", "scheduler", "engine-worker"} <= services and {"worker task", *needs} <= names:
             break
         assert time.monotonic() < deadline, f"trace incomplete: {trace}"
         await asyncio.sleep(0.2)
@@ -80,14 +84,16 @@ async def whole_trace(session: aiohttp.ClientSession, gateway: str, request_id: 
         return trace, await response.json()
 
 
-async def traced_request(gateway: str, **options) -> tuple[dict, float, dict, dict]:
+async def traced_request(
+    gateway: str, needs: frozenset[str] = frozenset(), **options
+) -> tuple[dict, float, dict, dict]:
     """A chat completion, how long the client waited (s), its trace's spans and stats."""
     body = {"model": MODEL, "messages": SHORT, "max_tokens": 32, "temperature": 0, **options}
     async with aiohttp.ClientSession() as session:
         started = time.perf_counter()
         reply = await call(session, "POST", f"{gateway}/bench/chat/completions", body)
         waited = time.perf_counter() - started
-        trace, stats = await whole_trace(session, gateway, reply["id"])
+        trace, stats = await whole_trace(session, gateway, reply["id"], needs)
     return reply, waited, trace, stats
 
 
@@ -138,9 +144,9 @@ def test_one_request_gives_one_linked_trace_that_adds_up(cluster: stack.StackMan
 
 
 def test_a_streamed_request_shows_its_gateway_and_engine_steps(cluster: stack.StackManifest) -> None:
-    """Tokenize, the first (sampled) detokenize and stream write, and the engine's sampled decode
-    steps under decode; the gateway's per-output work runs alongside the worker's decode, so the
-    categories may exceed the root by that (small) overlap."""
+    """Tokenize, the first (sampled) detokenize and stream write, and the engine's decode steps (one
+    span per window of outputs, back to back) under decode; the gateway's per-output work runs
+    alongside the worker's decode, so the categories may exceed the root by that (small) overlap."""
     request_id, trace, stats = asyncio.run(streamed_request(cluster.gateway_url))
     spans = trace["spans"]
     by_id = {s["span_id"]: s for s in spans}
@@ -157,19 +163,36 @@ def test_a_streamed_request_shows_its_gateway_and_engine_steps(cluster: stack.St
     steps = named("decode steps")
     assert steps and all(by_id[s["parent_id"]] is decode for s in steps)
     assert all(decode["start_ns"] <= s["start_ns"] <= s["end_ns"] <= decode["end_ns"] for s in steps)
+    assert all(b["start_ns"] == a["end_ns"] for a, b in pairwise(steps))
+    # every output after the first token's is in a window (a short stream: under MAX_STEP_SPANS)
     assert sum(s["attributes"]["fleet.tokens"] for s in steps) < decode["attributes"]["fleet.tokens"]
     total = sum(c["self_ns"] for c in stats["categories"])
     assert abs(total - stats["duration_ns"]) <= 0.05 * stats["duration_ns"]
 
 
-def test_a_disaggregated_request_shows_its_transfer_with_bytes(cluster: stack.StackManifest) -> None:
-    reply, _, trace, _ = asyncio.run(
-        traced_request(cluster.gateway_url, disaggregated=True, transport="stream")
+def test_a_disaggregated_request_shows_its_transfer_and_the_prefill_workers_spans(
+    cluster: stack.StackManifest,
+) -> None:
+    """The decoder's kv transfer (bytes), and under it the prefill worker's remote prefill and its
+    kv send: one trace across both workers, with no time counted twice."""
+    needs = frozenset({"remote prefill", "kv send (stream)"})
+    reply, _, trace, stats = asyncio.run(
+        traced_request(cluster.gateway_url, needs, disaggregated=True, transport="stream")
     )
     handoff = reply["generation_stats"]["handoff"]
-    (transfer,) = [s for s in trace["spans"] if s["category"] == "transfer"]
+    spans = trace["spans"]
+    by_name = {s["name"]: s for s in spans}
+    (transfer,) = [s for s in spans if s["name"] == "kv transfer"]
+    assert transfer["category"] == "transfer"
     assert transfer["attributes"]["fleet.bytes"] == handoff["bytes"] > 0
     assert transfer["attributes"]["fleet.prefill_worker_id"] == "w2"
+    remote, send = by_name["remote prefill"], by_name["kv send (stream)"]
+    assert remote["service"] == "engine-worker" and remote["service_id"] != transfer["service_id"]
+    assert remote["parent_id"] == transfer["span_id"] and send["parent_id"] == remote["span_id"]
+    assert remote["attributes"]["fleet.transport"] == "stream" and not remote["error"]
+    assert send["attributes"]["fleet.bytes"] == handoff["bytes"]  # what w2 sent is what w1 got
+    total = sum(c["self_ns"] for c in stats["categories"])
+    assert abs(total - stats["duration_ns"]) <= 0.05 * stats["duration_ns"]
 
 
 def test_traces_are_listed_and_deleted(cluster: stack.StackManifest) -> None:

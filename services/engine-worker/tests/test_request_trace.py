@@ -4,13 +4,23 @@ categories add up to the worker task plus its queue wait."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from opentelemetry.trace import set_span_in_context
 
 from fleet_proto import HandoffStats
 from fleet_proto.messages import GenerationOutput
 from fleet_proto.traces import trace_stats
 from fleet_runtime.tracing import DETAIL_EVERY, Tracing
-from fleet_worker.request_trace import MAX_STEP_SPANS, RequestTrace, record_request
+from fleet_worker.request_trace import (
+    BURST_GAP_NS,
+    MAX_STEP_SPANS,
+    RequestTrace,
+    end_transfer,
+    record_request,
+    start_request_trace,
+    start_transfer,
+)
 
 MS = 1_000_000
 
@@ -20,7 +30,7 @@ def traced_request(outputs: int) -> tuple[Tracing, RequestTrace, object]:
     outputs of 4 tokens 10 ms apart from 20 ms on."""
     tracing = Tracing("engine-worker", "w1")
     generate = tracing.record("generate", "stream", 0, 1000 * MS)
-    trace = RequestTrace(set_span_in_context(generate), sent_at_ns=1 * MS, received_ns=2 * MS)
+    trace = start_request_trace(tracing, set_span_in_context(generate), sent_at_ns=1 * MS, received_ns=2 * MS)
     trace.submitted_ns = 5 * MS
     for n in range(outputs):
         trace.on_output((20 + 10 * n) * MS, 4)
@@ -29,9 +39,9 @@ def traced_request(outputs: int) -> tuple[Tracing, RequestTrace, object]:
 
 def test_the_stages_hang_from_the_gateway_span_in_order() -> None:
     tracing, trace, _ = traced_request(outputs=3)
-    trace.transfer = (3 * MS, 4 * MS)
     handoff = HandoffStats(bytes=4096, chunks=3, tokens=40, transport="stream", prefill_worker_id="w2")
-    final = GenerationOutput(request_id="r", completion_tokens=12, prefix_cached_tokens=16, handoff=handoff)
+    end_transfer(start_transfer(tracing, trace, 3 * MS), handoff, 4 * MS)
+    final = GenerationOutput(request_id="r", completion_tokens=12, prefix_cached_tokens=16)
     record_request(tracing, trace, 45 * MS, final)
     spans = {s.name: s for s in tracing.processor.take()}
     task, decode = spans["worker task"], spans["decode"]
@@ -41,21 +51,51 @@ def test_the_stages_hang_from_the_gateway_span_in_order() -> None:
     assert (spans["prefill"].start_ns, spans["prefill"].end_ns) == (5 * MS, 20 * MS)
     assert spans["prefill"].attributes["fleet.prefix_cached_tokens"] == 16
     assert spans["kv transfer"].attributes["fleet.bytes"] == 4096
+    assert (spans["kv transfer"].start_ns, spans["kv transfer"].end_ns) == (3 * MS, 4 * MS)
+    assert (task.start_ns, task.end_ns) == (2 * MS, 45 * MS)
     assert (decode.start_ns, decode.end_ns, decode.attributes["fleet.tokens"]) == (20 * MS, 45 * MS, 12)
     assert spans["decode steps"].parent_id == decode.span_id
-    assert (spans["decode steps"].start_ns, spans["decode steps"].end_ns) == (20 * MS, 30 * MS)
+    # two outputs after the first token: one open window, closed at the request's end
+    assert (spans["decode steps"].start_ns, spans["decode steps"].end_ns) == (20 * MS, 40 * MS)
+    assert (
+        spans["decode steps"].attributes["fleet.tokens"],
+        spans["decode steps"].attributes["fleet.outputs"],
+    ) == (8, 2)
 
 
-def test_decode_steps_are_sampled_and_bounded() -> None:
+def test_decode_steps_cover_windows_of_outputs_back_to_back_and_are_bounded() -> None:
     outputs = 1 + DETAIL_EVERY * (MAX_STEP_SPANS + 5)
     tracing, trace, _ = traced_request(outputs)
     final = GenerationOutput(request_id="r", completion_tokens=4 * outputs)
     record_request(tracing, trace, (30 + 10 * outputs) * MS, final)
     steps = [s for s in tracing.processor.take() if s.name == "decode steps"]
     assert len(steps) == MAX_STEP_SPANS
-    # the 1st output after the first token, then every DETAIL_EVERY-th
-    assert [s.start_ns for s in steps[:2]] == [20 * MS, (20 + 10 * DETAIL_EVERY) * MS]
-    assert all(s.end_ns - s.start_ns == 10 * MS for s in steps)
+    window = 10 * MS * DETAIL_EVERY
+    assert [s.start_ns for s in steps[:2]] == [20 * MS, 20 * MS + window]  # from the first token on
+    assert all(b.start_ns == a.end_ns for a, b in pairwise(steps))  # no gaps between windows
+    assert all(s.end_ns - s.start_ns == window for s in steps)
+    assert all(s.attributes["fleet.outputs"] == DETAIL_EVERY for s in steps)
+    assert all(s.attributes["fleet.tokens"] == 4 * DETAIL_EVERY for s in steps)
+
+
+def test_a_burst_of_outputs_is_one_window_never_split_inside() -> None:
+    """The engine process sends the outputs it held (stream_interval_ms) together: 20 outputs of one
+    token, 10 us apart, every 50 ms; each window is one burst, 50 ms wide."""
+    tracing = Tracing("engine-worker", "w1")
+    trace = start_request_trace(tracing, None, sent_at_ns=1 * MS, received_ns=2 * MS)
+    trace.submitted_ns = 5 * MS
+    trace.on_output(20 * MS, 1)  # the first token leaves at once
+    for burst in range(4):
+        for n in range(20):
+            trace.on_output((70 + 50 * burst) * MS + n * BURST_GAP_NS // 100, 1)
+    record_request(tracing, trace, 300 * MS, GenerationOutput(request_id="r", completion_tokens=81))
+    steps = [s for s in tracing.processor.take() if s.name == "decode steps"]
+    assert [s.attributes["fleet.outputs"] for s in steps] == [20, 20, 20, 20]
+    assert all(s.attributes["fleet.tokens"] == 20 for s in steps)
+    assert steps[0].start_ns == 20 * MS
+    assert all(b.start_ns == a.end_ns for a, b in pairwise(steps))
+    widths = [(s.end_ns - s.start_ns) / MS for s in steps]
+    assert all(49 < w < 51 for w in widths), widths
 
 
 def test_the_categories_add_up_to_the_span_they_hang_from() -> None:
@@ -75,7 +115,7 @@ def test_the_categories_add_up_to_the_span_they_hang_from() -> None:
 
 def test_a_request_that_never_reached_its_engine_has_no_prefill() -> None:
     tracing = Tracing("engine-worker", "w1")
-    trace = RequestTrace(None, sent_at_ns=5 * MS, received_ns=2 * MS)  # the sender's clock runs ahead
+    trace = start_request_trace(tracing, None, sent_at_ns=5 * MS, received_ns=2 * MS)  # sender's clock ahead
     record_request(tracing, trace, 3 * MS, GenerationOutput(request_id="r", error="no KV"))
     spans = {s.name: s for s in tracing.processor.take()}
     assert set(spans) == {"queue wait", "worker task"}

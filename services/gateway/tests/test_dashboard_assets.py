@@ -12,6 +12,7 @@ from fleet_gateway.dashboard_routes import ASSETS, asset
 from fleet_gateway.errors import ApiError
 from fleet_proto import events
 from fleet_proto.subjects import event_subject
+from fleet_proto.traces import SPAN_CATEGORIES
 
 
 def test_the_page_links_only_shipped_assets_and_no_other_origin() -> None:
@@ -43,3 +44,8 @@ def test_the_page_listens_to_every_named_event_of_the_stream() -> None:
     listed = re.search(r"const EVENT_NAMES = \((.*?)\)\.split", (ASSETS / "app.js").read_text(), re.DOTALL)
     assert listed
     assert set(re.findall(r"[a-z_]+", listed.group(1))) == names
+
+
+def test_the_timeline_has_a_colour_for_every_span_category() -> None:
+    styled = set(re.findall(r'\[data-category="([a-z]+)"\]', (ASSETS / "style.css").read_text()))
+    assert styled == set(SPAN_CATEGORIES)

@@ -18,6 +18,8 @@ from fleet_local.servers import restart
 from fleet_proto.subjects import LEADER_BUCKET
 from fleet_scheduler.leader import LEADER_KEY, LeaderLease, LeaseValue, read_lease
 
+STOP_STAGE_S = 10.0
+
 
 class Candidate:
     """A LeaderLease on its own connection, recording when it was elected and when it lost."""
@@ -48,11 +50,21 @@ class Candidate:
         return next(t for kind, t in reversed(self.log) if kind == what)
 
     async def stop(self) -> None:
+        """Cancel the campaign and close the connection, each bounded: a stage that hangs fails the
+        test by name instead of running into pytest's timeout."""
         if self.task is not None:
             self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            try:
+                async with asyncio.timeout(STOP_STAGE_S):
+                    await asyncio.gather(self.task, return_exceptions=True)
+            except TimeoutError:
+                pytest.fail(f"{self.name}: LeaderLease.run ignored cancellation for {STOP_STAGE_S} s")
         if not self.bus.nc.is_closed:
-            await self.bus.nc.close()
+            try:
+                async with asyncio.timeout(STOP_STAGE_S):
+                    await self.bus.nc.close()
+            except TimeoutError:
+                pytest.fail(f"{self.name}: closing the NATS connection hung for {STOP_STAGE_S} s")
 
 
 @pytest.fixture

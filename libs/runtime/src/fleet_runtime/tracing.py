@@ -132,10 +132,15 @@ class Tracing:
         category: str,
         attributes: Mapping[str, AttributeValue] | None = None,
         parent: Context | None = None,
+        start_ns: int | None = None,
     ) -> Span:
-        """A span that is not made current (for one that outlives a block: the caller ends it)."""
+        """A span that is not made current (for one that outlives a block: the caller ends it), a
+        child of `parent` when given, else of the current span; `start_ns` when it began earlier."""
         return self._tracer.start_span(
-            name, context=parent, attributes={CATEGORY_ATTRIBUTE: category, **(attributes or {})}
+            name,
+            context=parent,
+            start_time=start_ns,
+            attributes={CATEGORY_ATTRIBUTE: category, **(attributes or {})},
         )
 
     def record(

@@ -26,9 +26,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from opentelemetry.trace import Span, StatusCode, set_span_in_context
+
 from fleet_bus import Bus, RequestFailed
 from fleet_proto import HandoffStats, PrefillPlan, PrefillReply, PrefillRequest, SamplingParams
 from fleet_proto.subjects import prefill_subject
+from fleet_runtime.tracing import Tracing
 from fleet_store import ObjectStore
 from fleet_worker.engines.base import KVImport
 from fleet_worker.handoff_transport import (
@@ -71,6 +74,7 @@ class PrefillServer:
     def __init__(
         self,
         bus: Bus,
+        tracing: Tracing,
         node_id: str,
         store: ObjectStore,
         root: Path,
@@ -83,6 +87,7 @@ class PrefillServer:
         stall_s: float = 30.0,
     ) -> None:
         self._bus = bus
+        self._tracing = tracing
         self._node_id = node_id
         self._store = store
         self._root = root
@@ -92,7 +97,7 @@ class PrefillServer:
         self._advertise = advertise
         self._interfaces = interfaces
         self._stall_s = stall_s
-        self._waiting: dict[str, tuple[PrefillRequest, Path]] = {}  # stream handoffs not connected yet
+        self._waiting: dict[str, Handoff] = {}  # stream handoffs not connected yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self._subscription = None
@@ -122,58 +127,95 @@ class PrefillServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _on_request(self, request: PrefillRequest) -> PrefillReply:
-        folder = self._root / request.handoff_id
-        problem = self._start_export(request, folder)
+        # under the decoder's kv transfer span (the request's trace context): ended on delivery
+        span = self._tracing.start_span(
+            "remote prefill",
+            "prefill",
+            {
+                "fleet.handoff_id": request.handoff_id,
+                "fleet.transport": request.transport,
+                "fleet.tokens": len(request.prompt_token_ids) - 1 - request.start_pos,
+            },
+        )
+        handoff = Handoff(request, self._root / request.handoff_id, span)
+        problem = self._start_export(request, handoff.folder)
         if problem:
+            handoff.end(problem)
             return PrefillReply(error=problem)
         if request.transport == "staged":
-            self._spawn(self._stage(request, folder), f"stage-{request.handoff_id}")
+            self._spawn(self._stage(handoff), f"stage-{request.handoff_id}")
             return PrefillReply(staged_prefix=staged_prefix(request.handoff_id))
-        self._waiting[request.handoff_id] = (request, folder)
+        self._waiting[request.handoff_id] = handoff
         self._spawn(self._expire(request.handoff_id), f"expire-{request.handoff_id}")
         return PrefillReply(endpoints=self.endpoints)
 
     async def _expire(self, handoff_id: str) -> None:
         await asyncio.sleep(CONNECT_WAIT_S)
-        entry = self._waiting.pop(handoff_id, None)
-        if entry is not None:
+        handoff = self._waiting.pop(handoff_id, None)
+        if handoff is not None:
             log.warning("handoff %s: the decoder never connected; prefill cancelled", handoff_id)
-            self._abandon(*entry)
+            self._abandon(handoff, "the decoder never connected")
 
-    def _abandon(self, request: PrefillRequest, folder: Path) -> None:
-        self._cancel_export(request)
-        shutil.rmtree(folder, ignore_errors=True)
+    def _abandon(self, handoff: Handoff, why: str) -> None:
+        self._cancel_export(handoff.request)
+        shutil.rmtree(handoff.folder, ignore_errors=True)
+        handoff.end(why)
 
-    async def _stage(self, request: PrefillRequest, folder: Path) -> None:
+    async def _stage(self, handoff: Handoff) -> None:
+        request = handoff.request
+        error = ""
+        upload = self._tracing.start_span("kv upload (object storage)", "transfer", parent=handoff.context)
         try:
-            await upload_folder(self._store, folder, request.handoff_id, self._stall_s)
-        except Exception as error:  # the decoder sees the stall and prefills itself
-            log.warning("handoff %s: staging failed: %s", request.handoff_id, error)
+            await upload_folder(self._store, handoff.folder, request.handoff_id, self._stall_s)
+        except Exception as failure:  # the decoder sees the stall and prefills itself
+            log.warning("handoff %s: staging failed: %s", request.handoff_id, failure)
             self._cancel_export(request)
+            error = f"staging failed: {failure}"
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(handoff.folder, ignore_errors=True)
+            upload.end()
+            handoff.end(error)
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         tune(writer)
-        entry = None
+        handoff, why = None, "cancelled"
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
                 handoff_id = (await reader.readline()).decode(errors="replace").strip()
-            entry = self._waiting.pop(handoff_id, None)
-            if entry is None:
+            handoff = self._waiting.pop(handoff_id, None)
+            if handoff is None:
                 return  # unknown or expired: closing tells the decoder
-            sent = await send_folder(writer, entry[1], self._stall_s)
+            with self._tracing.span("kv send (stream)", "transfer", parent=handoff.context) as send:
+                sent = await send_folder(writer, handoff.folder, self._stall_s)
+                send.set_attribute("fleet.bytes", sent)
             log.info("handoff %s: %d bytes streamed", handoff_id, sent)
-            shutil.rmtree(entry[1], ignore_errors=True)
-            entry = None  # delivered: nothing to cancel
+            shutil.rmtree(handoff.folder, ignore_errors=True)
+            handoff.end()
+            handoff = None  # delivered: nothing to cancel
         except (HandoffFailed, OSError, TimeoutError) as error:
             log.warning("handoff stream ended early: %r", error)
+            why = f"the stream ended early: {error!r}"
         finally:
-            if entry is not None:
-                self._abandon(*entry)
+            if handoff is not None:
+                self._abandon(handoff, why)
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+class Handoff:
+    """One prefill this worker runs for a decoder: its request, its folder of chunks, and its span."""
+
+    def __init__(self, request: PrefillRequest, folder: Path, span: Span) -> None:
+        self.request = request
+        self.folder = folder
+        self.span = span
+        self.context = set_span_in_context(span)
+
+    def end(self, error: str = "") -> None:
+        if error:
+            self.span.set_status(StatusCode.ERROR, error)
+        self.span.end()
 
 
 class HandoffClient:

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 import psutil
+from opentelemetry.trace import use_span
 
 from fleet_bus import BusUnavailable, Delivery, publish_chunk
 from fleet_bus.trace_context import is_sampled, remote_context
@@ -65,7 +66,13 @@ from fleet_worker.handoff import HandoffClient
 from fleet_worker.handoff_transport import HandoffFailed
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
-from fleet_worker.request_trace import RequestTrace, record_request
+from fleet_worker.request_trace import (
+    RequestTrace,
+    end_transfer,
+    record_request,
+    start_request_trace,
+    start_transfer,
+)
 
 log = logging.getLogger("fleet_worker")
 LOAD_TIMEOUT_S = 600.0
@@ -708,7 +715,8 @@ class InstanceManager:
         running.start(task.request_id, len(task.prompt_token_ids))
         received = now_ns()
         if is_sampled(parent := remote_context(task.traceparent)):
-            running.traces[task.request_id] = RequestTrace(parent, task.sent_at_ns, received)
+            trace = start_request_trace(self._ctx.tracing, parent, task.sent_at_ns, received)
+            running.traces[task.request_id] = trace
         if self._kv is not None and running.kv_fingerprint and task.block_hashes:
             usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_settings.block_size]
             fetched = await self._kv.prefetch(running.kv_fingerprint, usable)
@@ -760,7 +768,9 @@ class InstanceManager:
         starts_from_first = (
             running.instance.engine in FIRST_TOKEN_IMPORT_ENGINES and task.sampling.logprobs is None
         )
-        kv_import, sent_first, fetch_started = None, -1, now_ns()
+        kv_import, sent_first = None, -1
+        trace = running.traces.get(task.request_id)
+        transfer = start_transfer(self._ctx.tracing, trace, now_ns()) if trace is not None else None
 
         async def send_first(token: int) -> None:  # while the rest of the KV still travels
             nonlocal sent_first
@@ -768,15 +778,16 @@ class InstanceManager:
             await self._send_first_token(running, task, token)
 
         try:
-            kv_import, stats = await self._handoffs.fetch(
-                task.request_id,
-                task.prefill,
-                task.prompt_token_ids,
-                start_pos,
-                wire_dtype,
-                task.sampling if starts_from_first else None,
-                send_first,
-            )
+            with use_span(transfer, end_on_exit=False) if transfer is not None else contextlib.nullcontext():
+                kv_import, stats = await self._handoffs.fetch(
+                    task.request_id,
+                    task.prefill,
+                    task.prompt_token_ids,
+                    start_pos,
+                    wire_dtype,
+                    task.sampling if starts_from_first else None,
+                    send_first,
+                )
             running.imports[task.request_id] = Path(kv_import.folder)
         except HandoffFailed as error:
             log.warning("request %s: remote prefill failed, prefilling here: %s", task.request_id, error)
@@ -791,8 +802,8 @@ class InstanceManager:
             raise
         finally:
             running.receiving.pop(task.request_id, None)
-        if (trace := running.traces.get(task.request_id)) is not None:
-            trace.transfer = (fetch_started, now_ns())
+        if transfer is not None:
+            end_transfer(transfer, stats, now_ns())
         running.handoff_stats[task.request_id] = stats
         if kv_import is not None and kv_import.first_token >= 0 and sent_first < 0:
             await self._send_first_token(running, task, kv_import.first_token)

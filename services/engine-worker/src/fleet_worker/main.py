@@ -140,6 +140,7 @@ async def main(ctx: ServiceContext) -> None:
     )
     prefill_server = PrefillServer(
         ctx.bus,
+        ctx.tracing,
         node_id,
         store,
         handoff_root / "out",

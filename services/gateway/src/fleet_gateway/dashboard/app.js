@@ -16,6 +16,7 @@ const state = {
   modelCards: new Map(),
   metricNames: [],
   chat: { messages: [], busy: false, abort: null },
+  traces: { selected: "", lastJson: "" },
 };
 let currentView = "topology";
 
@@ -115,7 +116,7 @@ function facts(pairs) {
 // ---------- views ----------
 function showView(name) {
   currentView = name;
-  for (const view of ["topology", "models", "metrics", "chat"]) {
+  for (const view of ["topology", "models", "metrics", "chat", "traces"]) {
     $(`view-${view}`).hidden = view !== name;
     const button = $(`nav-${view}`);
     if (view === name) button.setAttribute("aria-current", "page");
@@ -123,6 +124,7 @@ function showView(name) {
   }
   if (name === "metrics") loadMetricNames().then(refreshMetrics);
   if (name === "chat") refreshChatModels();
+  if (name === "traces") refreshTraces();
 }
 
 // ---------- state & events ----------
@@ -589,6 +591,142 @@ function clearChat() {
   $("chat-stats").textContent = "";
 }
 
+// ---------- traces ----------
+const NS_PER_MS = 1e6;
+const MIN_BAR_PERCENT = 0.3; // a span of a few microseconds still shows as a sliver
+
+const ms = (ns) => {
+  const value = ns / NS_PER_MS;
+  return value >= 100 ? `${value.toFixed(0)} ms` : value >= 1 ? `${value.toFixed(1)} ms` : `${value.toFixed(3)} ms`;
+};
+
+// The spans in timeline order: each span right after its parent, siblings by start time, with its depth.
+// Spans whose parent is not in the trace (the root, or a service that did not report) start the tree.
+export function spanRows(spans) {
+  const ids = new Set(spans.map((s) => s.span_id));
+  const children = new Map();
+  for (const span of spans) {
+    const parent = ids.has(span.parent_id) ? span.parent_id : "";
+    if (!children.has(parent)) children.set(parent, []);
+    children.get(parent).push(span);
+  }
+  for (const list of children.values()) list.sort((a, b) => a.start_ns - b.start_ns || b.end_ns - a.end_ns);
+  const rows = [];
+  const visit = (parent, depth) => {
+    for (const span of children.get(parent) || []) {
+      rows.push({ span, depth });
+      visit(span.span_id, depth + 1);
+    }
+  };
+  visit("", 0);
+  return rows;
+}
+
+// Where a span's bar sits on the trace's time axis, in percent of the trace (start t0, length total).
+export function barGeometry(span, t0, total) {
+  if (total <= 0) return { left: 0, width: 100 };
+  const left = Math.min(100, Math.max(0, ((span.start_ns - t0) / total) * 100));
+  const width = Math.max(MIN_BAR_PERCENT, Math.min(100 - left, ((span.end_ns - span.start_ns) / total) * 100));
+  return { left: Math.min(left, 100 - width), width };
+}
+
+function spanTitle(span) {
+  const attributes = Object.entries(span.attributes || {}).map(([k, v]) => `${k}=${v}`);
+  return [`${span.name} (${span.service}${span.service_id ? ` ${span.service_id}` : ""})`,
+    `${ms(span.end_ns - span.start_ns)}`, ...attributes, span.error ? `error: ${span.error}` : null]
+    .filter(Boolean).join("\n");
+}
+
+function timelineRow({ span, depth }, t0, total) {
+  const { left, width } = barGeometry(span, t0, total);
+  const bar = el("div", { className: "trace-bar", "data-span-id": span.span_id, "data-category": span.category,
+    "data-service": span.service, "data-error": span.error ? "true" : "false", title: spanTitle(span) });
+  bar.style.left = `${left.toFixed(2)}%`;
+  bar.style.width = `${width.toFixed(2)}%`;
+  const label = el("div", { className: "trace-label", title: spanTitle(span) },
+    el("span", { className: "trace-name" }, span.name),
+    el("span", { className: "trace-service muted" }, span.service));
+  label.style.paddingLeft = `${depth * 0.9}rem`;
+  return el("div", { className: "trace-row" }, label,
+    el("div", { className: "trace-track" }, bar),
+    el("div", { className: "trace-duration muted" }, ms(span.end_ns - span.start_ns)));
+}
+
+function renderTimeline(traceId, spans) {
+  const timeline = $("trace-timeline");
+  timeline.dataset.traceId = traceId;
+  if (!spans.length) {
+    timeline.replaceChildren(el("p", { className: "muted" }, "This trace has no spans."));
+    return;
+  }
+  const t0 = Math.min(...spans.map((s) => s.start_ns));
+  const total = Math.max(...spans.map((s) => s.end_ns)) - t0;
+  const axis = el("div", { className: "trace-row trace-axis muted" }, el("div", { className: "trace-label" }, "span"),
+    el("div", { className: "trace-track" }, el("span", {}, "0"), el("span", { className: "trace-axis-end" }, ms(total))),
+    el("div", { className: "trace-duration" }, "time"));
+  timeline.replaceChildren(axis, ...spanRows(spans).map((row) => timelineRow(row, t0, total)));
+}
+
+function renderTraceStats(stats) {
+  const table = $("trace-stats");
+  table.hidden = !stats;
+  if (!stats) return;
+  table.querySelector("tbody").replaceChildren(...stats.categories.map((c) =>
+    el("tr", { "data-category": c.category },
+      el("th", { scope: "row" }, el("span", { className: "swatch", "data-category": c.category }), c.category),
+      el("td", {}, c.count), el("td", {}, ms(c.self_ns)), el("td", {}, `${(c.share * 100).toFixed(1)}%`))));
+}
+
+async function showTrace(traceId) {
+  state.traces.selected = traceId;
+  for (const item of $("trace-list").children) {
+    if (item.dataset.traceId === traceId) item.setAttribute("aria-current", "true");
+    else item.removeAttribute("aria-current");
+  }
+  try {
+    const [trace, stats] = await Promise.all([
+      requestJSON("GET", `/v1/traces/${encodeURIComponent(traceId)}`),
+      requestJSON("GET", `/v1/traces/${encodeURIComponent(traceId)}/stats`),
+    ]);
+    if (state.traces.selected !== traceId) return; // another trace was picked meanwhile
+    renderTimeline(traceId, trace.spans || []);
+    renderTraceStats(stats);
+  } catch (err) {
+    $("trace-timeline").replaceChildren(el("p", { className: "model-error", role: "alert" }, err.message));
+    renderTraceStats(null);
+  }
+}
+
+function traceItem(summary) {
+  const when = new Date(summary.start_ns / NS_PER_MS).toLocaleTimeString();
+  const button = el("button", { type: "button", className: "trace-pick" },
+    el("span", { className: "trace-name" }, summary.name),
+    el("span", { className: "muted" }, `${when} · ${ms(summary.duration_ns)} · ${summary.spans} spans`),
+    el("span", { className: "muted" }, summary.services.join(", ")),
+    summary.error ? el("span", { className: "badge status-failed" }, "error") : null);
+  button.addEventListener("click", () => showTrace(summary.trace_id));
+  return el("li", { className: "trace-item", "data-trace-id": summary.trace_id,
+    "aria-current": summary.trace_id === state.traces.selected ? "true" : null }, button);
+}
+
+async function refreshTraces() {
+  if (currentView !== "traces") return;
+  let data;
+  try {
+    data = await requestJSON("GET", "/v1/traces?limit=100");
+  } catch (err) {
+    $("traces-status").textContent = err.message;
+    return;
+  }
+  const traces = data?.data || [];
+  const json = JSON.stringify(traces);
+  if (json === state.traces.lastJson) return; // keep the list (and a focused button) as it is
+  state.traces.lastJson = json;
+  $("traces-status").textContent = traces.length ? `${traces.length} recent requests` : "";
+  $("trace-list").replaceChildren(...(traces.length ? traces.map(traceItem)
+    : [el("li", { className: "muted" }, "No traces yet: send a request (the Chat view does).")]));
+}
+
 // ---------- wiring ----------
 function wireUi() {
   for (const b of document.querySelectorAll(".nav button")) b.addEventListener("click", () => showView(b.dataset.view));
@@ -599,6 +737,7 @@ function wireUi() {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); sendChat(); }
   });
   $("chat-clear").addEventListener("click", clearChat);
+  $("traces-refresh").addEventListener("click", refreshTraces);
 }
 
 function start() {
@@ -609,6 +748,7 @@ function start() {
   setInterval(refreshState, 5000);
   setInterval(refreshMetrics, 2000);
   setInterval(refreshLive, 2000);
+  setInterval(refreshTraces, 3000);
 }
 
 start();
