@@ -7,7 +7,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import msgspec
 import pytest
@@ -54,17 +54,17 @@ class Candidate:
         test by name instead of running into pytest's timeout."""
         if self.task is not None:
             self.task.cancel()
-            try:
-                async with asyncio.timeout(STOP_STAGE_S):
-                    await asyncio.gather(self.task, return_exceptions=True)
-            except TimeoutError:
-                pytest.fail(f"{self.name}: LeaderLease.run ignored cancellation for {STOP_STAGE_S} s")
+            gathered = asyncio.gather(self.task, return_exceptions=True)
+            await self._bounded(gathered, "LeaderLease.run ignored cancellation")
         if not self.bus.nc.is_closed:
-            try:
-                async with asyncio.timeout(STOP_STAGE_S):
-                    await self.bus.nc.close()
-            except TimeoutError:
-                pytest.fail(f"{self.name}: closing the NATS connection hung for {STOP_STAGE_S} s")
+            await self._bounded(self.bus.nc.close(), "closing the NATS connection hung")
+
+    async def _bounded(self, stage: Awaitable[object], what: str) -> None:
+        try:
+            async with asyncio.timeout(STOP_STAGE_S):
+                await stage
+        except TimeoutError:
+            pytest.fail(f"{self.name}: {what} for {STOP_STAGE_S} s")
 
 
 @pytest.fixture

@@ -164,16 +164,15 @@ class PrefillServer:
     async def _stage(self, handoff: Handoff) -> None:
         request = handoff.request
         error = ""
-        upload = self._tracing.start_span("kv upload (object storage)", "transfer", parent=handoff.context)
         try:
-            await upload_folder(self._store, handoff.folder, request.handoff_id, self._stall_s)
+            with self._tracing.span("kv upload (object storage)", "transfer", parent=handoff.context):
+                await upload_folder(self._store, handoff.folder, request.handoff_id, self._stall_s)
         except Exception as failure:  # the decoder sees the stall and prefills itself
             log.warning("handoff %s: staging failed: %s", request.handoff_id, failure)
             self._cancel_export(request)
             error = f"staging failed: {failure}"
         finally:
             shutil.rmtree(handoff.folder, ignore_errors=True)
-            upload.end()
             handoff.end(error)
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

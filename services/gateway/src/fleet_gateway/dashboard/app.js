@@ -639,11 +639,12 @@ function spanTitle(span) {
 
 function timelineRow({ span, depth }, t0, total) {
   const { left, width } = barGeometry(span, t0, total);
+  const title = spanTitle(span);
   const bar = el("div", { className: "trace-bar", "data-span-id": span.span_id, "data-category": span.category,
-    "data-service": span.service, "data-error": span.error ? "true" : "false", title: spanTitle(span) });
+    "data-service": span.service, "data-error": span.error ? "true" : "false", title });
   bar.style.left = `${left.toFixed(2)}%`;
   bar.style.width = `${width.toFixed(2)}%`;
-  const label = el("div", { className: "trace-label", title: spanTitle(span) },
+  const label = el("div", { className: "trace-label", title },
     el("span", { className: "trace-name" }, span.name),
     el("span", { className: "trace-service muted" }, span.service));
   label.style.paddingLeft = `${depth * 0.9}rem`;
@@ -719,10 +720,10 @@ async function refreshTraces() {
     return;
   }
   const traces = data?.data || [];
+  $("traces-status").textContent = traces.length ? `${traces.length} recent requests` : "";
   const json = JSON.stringify(traces);
   if (json === state.traces.lastJson) return; // keep the list (and a focused button) as it is
   state.traces.lastJson = json;
-  $("traces-status").textContent = traces.length ? `${traces.length} recent requests` : "";
   $("trace-list").replaceChildren(...(traces.length ? traces.map(traceItem)
     : [el("li", { className: "muted" }, "No traces yet: send a request (the Chat view does).")]));
 }
