@@ -202,9 +202,15 @@ def paired_ratio(ours: Sequence[RoundResult], theirs: Sequence[RoundResult], met
 
 
 async def stream_chat(
-    session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> StreamResult:
-    """One streamed, greedy chat completion against an OpenAI-compatible server."""
+    """One streamed, greedy chat completion against an OpenAI-compatible server (`extra`: more body
+    fields, e.g. vLLM's ignore_eos where every side takes it)."""
     body = {
         "model": model,
         "messages": messages,
@@ -212,6 +218,7 @@ async def stream_chat(
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     result = StreamResult()
     started = time.perf_counter()
@@ -256,11 +263,15 @@ def auth_headers(admin: bool = False) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def http_round(url: str, model: str, prompts: Iterable[list[dict]], max_tokens: int) -> RoundResult:
+async def http_round(
+    url: str, model: str, prompts: Iterable[list[dict]], max_tokens: int, extra: dict | None = None
+) -> RoundResult:
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
         started = time.perf_counter()
-        streams = await asyncio.gather(*(stream_chat(session, url, model, p, max_tokens) for p in prompts))
+        streams = await asyncio.gather(
+            *(stream_chat(session, url, model, p, max_tokens, extra) for p in prompts)
+        )
     return RoundResult(list(streams), time.perf_counter() - started)
 
 

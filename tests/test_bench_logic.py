@@ -13,6 +13,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import loadgen
 import report
 import serve
+import tracing
 from loadgen import RoundResult, StreamResult, Workload
 
 
@@ -94,6 +95,17 @@ def test_paired_ratios_compare_rounds_that_ran_back_to_back() -> None:
     theirs = [round_of(StreamResult(first_s=2.0, last_s=4.0, tokens=10), wall_s=w) for w in (4.0, 8.0, 4.0)]
     assert loadgen.paired_ratio(ours, theirs, "aggregate_tps") == pytest.approx(2.0)
     assert loadgen.paired_ratio(ours, theirs, "ttft_s") == pytest.approx(0.5)
+
+
+def test_tracing_pairs_are_ratios_of_back_to_back_rounds_with_their_quartiles() -> None:
+    # decode: 9 intervals over 0.9 s = 10 tok/s traced, 9 over 1.0 s = 9 tok/s untraced
+    traced = [round_of(StreamResult(first_s=0.1, last_s=1.0, tokens=10), wall_s=w) for w in (1.0, 2.0)]
+    untraced = [round_of(StreamResult(first_s=0.2, last_s=1.2, tokens=10), wall_s=2.0)] * 2
+    assert tracing.pair_ratios(traced, untraced, "ttft_s") == pytest.approx([0.5, 0.5])
+    assert tracing.pair_ratios(traced, untraced, "decode_tps") == pytest.approx([10 / 9, 10 / 9])
+    assert tracing.pair_ratios(traced, untraced, "aggregate_tps") == pytest.approx([2.0, 1.0])
+    assert tracing.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"p25": 2.0, "p50": 3.0, "p75": 4.0}
+    assert tracing.quartiles([0.9]) == {"p25": 0.9, "p50": 0.9, "p75": 0.9}
 
 
 def side(ttft: float, decode: float, aggregate: float, peak: int = 2**30, tokens: int = 32) -> dict:

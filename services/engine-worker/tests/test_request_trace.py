@@ -17,6 +17,7 @@ from fleet_worker.request_trace import (
     MAX_STEP_SPANS,
     RequestTrace,
     end_transfer,
+    record_cancelled_transfer,
     record_request,
     start_request_trace,
     start_transfer,
@@ -121,3 +122,15 @@ def test_a_request_that_never_reached_its_engine_has_no_prefill() -> None:
     assert set(spans) == {"queue wait", "worker task"}
     assert spans["queue wait"].end_ns == spans["queue wait"].start_ns  # skew shows as no wait
     assert spans["worker task"].error == "no KV"
+
+
+def test_a_request_cancelled_while_its_kv_travels_ends_its_live_spans_marked_cancelled() -> None:
+    tracing = Tracing("engine-worker", "w1")
+    generate = tracing.record("generate", "stream", 0, 1000 * MS)
+    trace = start_request_trace(tracing, set_span_in_context(generate), sent_at_ns=1 * MS, received_ns=2 * MS)
+    record_cancelled_transfer(tracing, trace, start_transfer(tracing, trace, 3 * MS), 9 * MS)
+    spans = {s.name: s for s in tracing.processor.take()}
+    assert set(spans) == {"generate", "queue wait", "worker task", "kv transfer"}
+    assert spans["kv transfer"].parent_id == spans["worker task"].span_id
+    assert (spans["kv transfer"].end_ns, spans["worker task"].end_ns) == (9 * MS, 9 * MS)
+    assert spans["kv transfer"].error == spans["worker task"].error == "cancelled"

@@ -69,6 +69,7 @@ from fleet_worker.model_cache import ModelCache
 from fleet_worker.request_trace import (
     RequestTrace,
     end_transfer,
+    record_cancelled_transfer,
     record_request,
     start_request_trace,
     start_transfer,
@@ -795,6 +796,8 @@ class InstanceManager:
             if sent_first >= 0:  # the engine prefills, then goes on from the token already sent
                 kv_import = KVImport(folder="", handoff_id="", first_token=sent_first)
         except asyncio.CancelledError:
+            if trace is not None and transfer is not None:
+                record_cancelled_transfer(self._ctx.tracing, trace, transfer, now_ns())
             index = running.next_index.get(task.request_id, 0)  # 1 once the first token went out
             running.finish(task.request_id)
             chunk = TokenChunk(request_id=task.request_id, index=index, finish_reason="cancelled")

@@ -92,6 +92,14 @@ def end_transfer(span: Span, stats: HandoffStats, end_ns: int) -> None:
     span.end(end_time=end_ns)
 
 
+def record_cancelled_transfer(tracing: Tracing, trace: RequestTrace, transfer: Span, end_ns: int) -> None:
+    """A request cancelled while its KV was on the way: its live spans end there, marked cancelled
+    (the engine never saw it: no prefill or decode spans)."""
+    transfer.set_status(StatusCode.ERROR, "cancelled")
+    transfer.end(end_time=end_ns)
+    record_request(tracing, trace, end_ns, GenerationOutput(request_id="", error="cancelled"))
+
+
 def record_request(
     tracing: Tracing,
     trace: RequestTrace,
