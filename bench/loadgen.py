@@ -186,18 +186,26 @@ def summarize(rounds: Sequence[RoundResult]) -> dict:
     }
 
 
-def paired_ratio(ours: Sequence[RoundResult], theirs: Sequence[RoundResult], metric: str) -> float:
-    """Median over alternating round pairs of ours / theirs for a round metric ('aggregate_tps' or
-    'ttft_s' - the rounds' median TTFT); pairs ran back to back, so machine noise hits both."""
+def pair_ratios(ours: Sequence[RoundResult], theirs: Sequence[RoundResult], metric: str) -> list[float]:
+    """ours / theirs of each back-to-back round pair for a round metric: 'aggregate_tps', 'ttft_s'
+    (the round's median TTFT) or 'decode_tps' (the round's median decode tok/s per stream)."""
 
     def value(r: RoundResult) -> float:
         if metric == "aggregate_tps":
             return sum(s.tokens for s in r.streams if not s.error) / r.wall_s
         if metric == "ttft_s":
             return statistics.median(s.ttft_s for s in r.streams)
+        if metric == "decode_tps":
+            return statistics.median(1 / s.tpot_s for s in r.streams if not s.error and s.tpot_s)
         raise ValueError(metric)
 
-    ratios = [value(a) / value(b) for a, b in zip(ours, theirs, strict=False) if value(b) > 0]
+    return [value(a) / value(b) for a, b in zip(ours, theirs, strict=False) if value(b) > 0]
+
+
+def paired_ratio(ours: Sequence[RoundResult], theirs: Sequence[RoundResult], metric: str) -> float:
+    """Median over alternating round pairs of ours / theirs (`pair_ratios`); pairs ran back to
+    back, so machine noise hits both."""
+    ratios = pair_ratios(ours, theirs, metric)
     return statistics.median(ratios) if ratios else math.nan
 
 

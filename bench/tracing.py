@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 from cluster import REPO, discard, scratch_dir, write_result
-from loadgen import RoundResult, http_round, parse_workloads, round_prompts, summarize
+from loadgen import RoundResult, http_round, pair_ratios, parse_workloads, round_prompts, summarize
 
 SIDES = {"traced": "1", "untraced": "0"}
 FULL_LENGTH = {"ignore_eos": True}  # per-stream tok/s over equal lengths on both sides
@@ -84,21 +84,6 @@ def quartiles(values: list[float]) -> dict[str, float]:
         return {"p25": only, "p50": only, "p75": only}
     p25, p50, p75 = statistics.quantiles(values, n=4, method="inclusive")
     return {"p25": p25, "p50": p50, "p75": p75}
-
-
-def pair_ratios(traced: list[RoundResult], untraced: list[RoundResult], metric: str) -> list[float]:
-    """traced / untraced of each back-to-back round pair: the round's median TTFT, median decode
-    tok/s per stream, or aggregate tok/s."""
-
-    def value(r: RoundResult) -> float:
-        ok = [s for s in r.streams if not s.error and s.tokens > 0]
-        if metric == "ttft_s":
-            return statistics.median(s.ttft_s for s in ok)
-        if metric == "decode_tps":
-            return statistics.median(1 / s.tpot_s for s in ok if s.tpot_s)
-        return sum(s.tokens for s in ok) / r.wall_s
-
-    return [value(a) / value(b) for a, b in zip(traced, untraced, strict=True)]
 
 
 def cpu_per_request(side: Side, label: str, requests: int) -> dict[str, float]:

@@ -97,13 +97,13 @@ def test_paired_ratios_compare_rounds_that_ran_back_to_back() -> None:
     assert loadgen.paired_ratio(ours, theirs, "ttft_s") == pytest.approx(0.5)
 
 
-def test_tracing_pairs_are_ratios_of_back_to_back_rounds_with_their_quartiles() -> None:
+def test_pairs_are_ratios_of_back_to_back_rounds_with_their_quartiles() -> None:
     # decode: 9 intervals over 0.9 s = 10 tok/s traced, 9 over 1.0 s = 9 tok/s untraced
     traced = [round_of(StreamResult(first_s=0.1, last_s=1.0, tokens=10), wall_s=w) for w in (1.0, 2.0)]
     untraced = [round_of(StreamResult(first_s=0.2, last_s=1.2, tokens=10), wall_s=2.0)] * 2
-    assert tracing.pair_ratios(traced, untraced, "ttft_s") == pytest.approx([0.5, 0.5])
-    assert tracing.pair_ratios(traced, untraced, "decode_tps") == pytest.approx([10 / 9, 10 / 9])
-    assert tracing.pair_ratios(traced, untraced, "aggregate_tps") == pytest.approx([2.0, 1.0])
+    assert loadgen.pair_ratios(traced, untraced, "ttft_s") == pytest.approx([0.5, 0.5])
+    assert loadgen.pair_ratios(traced, untraced, "decode_tps") == pytest.approx([10 / 9, 10 / 9])
+    assert loadgen.pair_ratios(traced, untraced, "aggregate_tps") == pytest.approx([2.0, 1.0])
     assert tracing.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"p25": 2.0, "p50": 3.0, "p75": 4.0}
     assert tracing.quartiles([0.9]) == {"p25": 0.9, "p50": 0.9, "p75": 0.9}
 
