@@ -12,7 +12,7 @@ Two measures:
 - CPU: the seconds of CPU the stack's own processes (servers and services, not the engine
   processes) spend per request on each side, read from the kernel around that side's rounds. Their
   difference is what tracing costs, independent of the machine's noise; it is also given as a share
-  of all the CPU a request takes (engine included).
+  of all the CPU a request takes (engine included), and by process.
 
     .venv/bin/fleet bench tracing [--workloads 32x128@1,32x128@4] [--repeats 20]
 """
@@ -39,13 +39,15 @@ FULL_LENGTH = {"ignore_eos": True}  # per-stream tok/s over equal lengths on bot
 @dataclass
 class Side:
     url: str
-    services: list[psutil.Process]  # the stack's servers and services
+    services: dict[str, list[psutil.Process]]  # the stack's servers and services, by name
     engines: list[psutil.Process]  # the engine-worker's engine processes
     rounds: dict[str, list[RoundResult]] = field(default_factory=dict)
-    cpu_s: dict[str, dict[str, float]] = field(default_factory=dict)  # workload -> services/engines
+    cpu_s: dict[str, dict[str, float]] = field(default_factory=dict)  # workload -> process kind -> s
 
     def cpu_now(self) -> dict[str, float]:
-        return {"services": own_cpu_s(self.services), "engines": own_cpu_s(self.engines)}
+        """CPU seconds so far: "engines", "services" (all of them) and each service by name."""
+        each = {name: own_cpu_s(processes) for name, processes in self.services.items()}
+        return {"engines": own_cpu_s(self.engines), "services": sum(each.values()), **each}
 
 
 def own_cpu_s(processes: list[psutil.Process]) -> float:
@@ -72,8 +74,10 @@ def start(stack_: ExitStack, state_dir: Path, sample_rate: str, threads: int) ->
     manifest = stack.up(state_dir, gateway_port=free_port(), auth=False)
     stack_.callback(stack.down, state_dir)
     stage_and_serve(manifest.gateway_url, DEFAULT_MODEL, DEFAULT_SOURCE, 900, print, engine="llamacpp")
-    services = [psutil.Process(p.pid) for p in manifest.processes]
-    workers = [s for s, p in zip(services, manifest.processes, strict=True) if p.name == "engine-worker"]
+    services: dict[str, list[psutil.Process]] = {}
+    for process in manifest.processes:
+        services.setdefault(process.name, []).append(psutil.Process(process.pid))
+    workers = services.get("engine-worker", [])
     engines = [child for worker in workers for child in worker.children(recursive=True)]
     return Side(manifest.gateway_url, services, engines)
 
@@ -100,7 +104,7 @@ async def measure(sides: dict[str, Side], workloads, repeats: int) -> dict:
     for workload in workloads:
         label = workload.label
         for side in sides.values():
-            side.rounds[label], side.cpu_s[label] = [], {"services": 0.0, "engines": 0.0}
+            side.rounds[label], side.cpu_s[label] = [], {}
         for repeat in range(repeats):
             # both sides get the same prompts (greedy: the same tokens), the side going first alternates
             prompts = round_prompts(workload, 1000 * repeat)
@@ -111,7 +115,7 @@ async def measure(sides: dict[str, Side], workloads, repeats: int) -> dict:
                     await http_round(side.url, DEFAULT_MODEL, prompts, workload.gen_tokens, FULL_LENGTH)
                 )
                 for kind, seconds in side.cpu_now().items():
-                    side.cpu_s[label][kind] += seconds - before[kind]
+                    side.cpu_s[label][kind] = side.cpu_s[label].get(kind, 0.0) + seconds - before[kind]
                 print(f"  {label} {name:9} round {repeat + 1}/{repeats}", flush=True)
         traced, untraced = sides["traced"], sides["untraced"]
         requests = repeats * workload.concurrency
@@ -155,6 +159,9 @@ def report(results: dict) -> None:
             f"tracing {r['tracing_cpu_ms_per_request']:+.1f} ms = {100 * r['tracing_cpu_share']:+.2f}% "
             f"of a request's CPU (engine {off['engines']:.0f} ms)"
         )
+        by_process = {name: on[name] - off.get(name, 0.0) for name in set(on) - {"services", "engines"}}
+        shares = sorted(by_process.items(), key=lambda item: -item[1])
+        print("    by process: " + ", ".join(f"{name} {ms:+.1f}" for name, ms in shares))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,24 @@ def test_spans_nest_and_carry_their_category_and_attributes() -> None:
     assert tracing.processor.take() == ()
 
 
+def test_a_leaf_span_hangs_from_the_current_span_without_becoming_it() -> None:
+    tracing = Tracing("gateway", "gateway-1")
+    with tracing.span("http", "http"):
+        with tracing.leaf("detokenize", "detokenize", {"fleet.tokens": 3}):
+            tracing.record("inside", "other", 1, 2)  # its parent is the current span: http
+        try:
+            with tracing.leaf("stream write", "stream"):
+                raise ConnectionResetError("client went away")
+        except ConnectionResetError:
+            pass
+    records = {r.name: r for r in tracing.processor.take()}
+    http = records["http"]
+    assert records["detokenize"].parent_id == records["inside"].parent_id == http.span_id
+    assert records["detokenize"].attributes == {"fleet.tokens": 3}
+    assert records["detokenize"].end_ns >= records["detokenize"].start_ns > 0
+    assert records["stream write"].error == "client went away"
+
+
 def test_a_traceparent_continues_the_trace_in_another_service() -> None:
     gateway, worker = Tracing("gateway", "g"), Tracing("engine-worker", "w")
     with gateway.span("generate", "stream"):

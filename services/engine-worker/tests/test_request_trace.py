@@ -80,19 +80,22 @@ def test_decode_steps_cover_windows_of_outputs_back_to_back_and_are_bounded() ->
 
 
 def test_a_burst_of_outputs_is_one_window_never_split_inside() -> None:
-    """The engine process sends the outputs it held (stream_interval_ms) together: 20 outputs of one
-    token, 10 us apart, every 50 ms; each window is one burst, 50 ms wide."""
+    """The engine process sends the outputs it held (stream_interval_ms) together: bursts of a few
+    more than DETAIL_EVERY outputs of one token, 10 us apart, every 50 ms; each window is one burst,
+    50 ms wide."""
+    burst_outputs = DETAIL_EVERY + 4
     tracing = Tracing("engine-worker", "w1")
     trace = start_request_trace(tracing, None, sent_at_ns=1 * MS, received_ns=2 * MS)
     trace.submitted_ns = 5 * MS
     trace.on_output(20 * MS, 1)  # the first token leaves at once
     for burst in range(4):
-        for n in range(20):
+        for n in range(burst_outputs):
             trace.on_output((70 + 50 * burst) * MS + n * BURST_GAP_NS // 100, 1)
-    record_request(tracing, trace, 300 * MS, GenerationOutput(request_id="r", completion_tokens=81))
+    final = GenerationOutput(request_id="r", completion_tokens=1 + 4 * burst_outputs)
+    record_request(tracing, trace, 300 * MS, final)
     steps = [s for s in tracing.processor.take() if s.name == "decode steps"]
-    assert [s.attributes["fleet.outputs"] for s in steps] == [20, 20, 20, 20]
-    assert all(s.attributes["fleet.tokens"] == 20 for s in steps)
+    assert [s.attributes["fleet.outputs"] for s in steps] == [burst_outputs] * 4
+    assert all(s.attributes["fleet.tokens"] == burst_outputs for s in steps)
     assert steps[0].start_ns == 20 * MS
     assert all(b.start_ns == a.end_ns for a, b in pairwise(steps))
     widths = [(s.end_ns - s.start_ns) / MS for s in steps]

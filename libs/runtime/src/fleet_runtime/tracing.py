@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 PUBLISH_INTERVAL_S = 0.2
 MAX_BATCH = 512
 MAX_HELD = 20_000  # spans waiting to be published; beyond it the oldest are dropped
-# Per-output work (decode steps, detokenize, stream writes) is traced for the 1st, then every 8th
-# output: the shape of a long stream stays visible at a fraction of the spans.
-DETAIL_EVERY = 8
+# Per-output work (decode steps, detokenize, stream writes) is traced for the 1st, then every 32nd
+# output: the shape of a long stream stays visible at a few spans per 100 tokens (a span costs
+# ~40 us of CPU in the SDK, and on a small machine the engine shares the cores with the services).
+DETAIL_EVERY = 32
 log = logging.getLogger("fleet_runtime.tracing")
 
 
@@ -125,6 +126,22 @@ class Tracing:
             name, context=parent, kind=kind, attributes={CATEGORY_ATTRIBUTE: category, **(attributes or {})}
         ) as span:
             yield span
+
+    @contextlib.contextmanager
+    def leaf(
+        self, name: str, category: str, attributes: Mapping[str, AttributeValue] | None = None
+    ) -> Iterator[None]:
+        """A span around a block that no span hangs from: a child of the current span, not made
+        current itself (a quarter cheaper than `span`, for per-output work); an exception marks it
+        failed."""
+        span = self.start_span(name, category, attributes)
+        try:
+            yield
+        except BaseException as error:
+            span.set_status(StatusCode.ERROR, str(error) or type(error).__name__)
+            raise
+        finally:
+            span.end()
 
     def start_span(
         self,

@@ -35,7 +35,7 @@ async def stream_run(request: web.Request, run: Run, stream_format: StreamFormat
         if not frames:
             continue
         if detailed(writes):
-            with run.tracing.span("stream write", "stream", {"fleet.frames": len(frames)}):
+            with run.tracing.leaf("stream write", "stream", {"fleet.frames": len(frames)}):
                 await response.write(b"".join(frames))
         else:
             await response.write(b"".join(frames))

@@ -177,7 +177,7 @@ class Run:
     def _detokenizing(self, output_number: int, tokens: int) -> contextlib.AbstractContextManager:
         if not detailed(output_number):
             return contextlib.nullcontext()
-        return self.tracing.span("detokenize", "detokenize", {"fleet.tokens": tokens})
+        return self.tracing.leaf("detokenize", "detokenize", {"fleet.tokens": tokens})
 
     async def events(self) -> AsyncIterator[Event]:
         step = self.prepared.step
