@@ -145,6 +145,11 @@ class RoundResult:
     wall_s: float
     peak_rss_bytes: int = 0
 
+    @property
+    def aggregate_tps(self) -> float:
+        """Tokens of the streams that succeeded per second of the round."""
+        return sum(s.tokens for s in self.streams if not s.error) / self.wall_s
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation between the closest ranks."""
@@ -162,7 +167,7 @@ def summarize(rounds: Sequence[RoundResult]) -> dict:
     streams = [s for r in rounds for s in r.streams]
     ok = [s for s in streams if not s.error and s.tokens > 0]
     tpots = [s.tpot_s for s in ok if s.tpot_s]
-    aggregates = [sum(s.tokens for s in r.streams if not s.error) / r.wall_s for r in rounds if r.wall_s > 0]
+    aggregates = [r.aggregate_tps for r in rounds if r.wall_s > 0]
     # Prompt tokens / the round's slowest TTFT, for rounds whose server reported every prompt's size.
     prompt_rates = [
         sum(s.prompt_tokens for s in r.streams) / max(s.ttft_s for s in r.streams)
@@ -192,7 +197,7 @@ def pair_ratios(ours: Sequence[RoundResult], theirs: Sequence[RoundResult], metr
 
     def value(r: RoundResult) -> float:
         if metric == "aggregate_tps":
-            return sum(s.tokens for s in r.streams if not s.error) / r.wall_s
+            return r.aggregate_tps
         if metric == "ttft_s":
             return statistics.median(s.ttft_s for s in r.streams)
         if metric == "decode_tps":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fleet_bus.trace_context import is_sampled, remote_context, traceparent
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
-from fleet_runtime.tracing import Tracing
+from fleet_runtime.tracing import DETAIL_EVERY, Tracing
 
 
 def test_spans_nest_and_carry_their_category_and_attributes() -> None:
@@ -43,6 +43,16 @@ def test_a_leaf_span_hangs_from_the_current_span_without_becoming_it() -> None:
     assert records["detokenize"].attributes == {"fleet.tokens": 3}
     assert records["detokenize"].end_ns >= records["detokenize"].start_ns > 0
     assert records["stream write"].error == "client went away"
+
+
+def test_per_output_work_gets_a_span_for_the_first_and_then_every_detail_every_th_output() -> None:
+    tracing = Tracing("gateway", "gateway-1")
+    with tracing.span("http", "http"):
+        for n in range(2 * DETAIL_EVERY + 1):
+            with tracing.output_leaf(n, "detokenize", "detokenize", {"fleet.output": n}):
+                pass
+    leaves = [r for r in tracing.processor.take() if r.name == "detokenize"]
+    assert [r.attributes["fleet.output"] for r in leaves] == [0, DETAIL_EVERY, 2 * DETAIL_EVERY]
 
 
 def test_a_traceparent_continues_the_trace_in_another_service() -> None:

@@ -143,6 +143,19 @@ class Tracing:
         finally:
             span.end()
 
+    def output_leaf(
+        self,
+        output_number: int,
+        name: str,
+        category: str,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> contextlib.AbstractContextManager:
+        """`leaf` around the work on a stream's `output_number`-th output (from 0) when that output
+        gets spans of its own (every DETAIL_EVERY-th), else nothing."""
+        if output_number % DETAIL_EVERY:
+            return contextlib.nullcontext()
+        return self.leaf(name, category, attributes)
+
     def start_span(
         self,
         name: str,
@@ -196,8 +209,3 @@ class Tracing:
 
 def now_ns() -> int:
     return time.time_ns()
-
-
-def detailed(output_number: int) -> bool:
-    """Whether a stream's `output_number`-th output (from 0) gets spans of its own."""
-    return output_number % DETAIL_EVERY == 0

@@ -6,7 +6,6 @@ from aiohttp import web
 
 from fleet_gateway.frames import SSE, Event, Progress, StreamFormat, progress_frame
 from fleet_gateway.turns import Failed, Finished, Run
-from fleet_runtime.tracing import detailed
 
 
 def event_frames(stream_format: StreamFormat, event: Event) -> list[bytes]:
@@ -34,10 +33,7 @@ async def stream_run(request: web.Request, run: Run, stream_format: StreamFormat
         frames = event_frames(stream_format, event)
         if not frames:
             continue
-        if detailed(writes):
-            with run.tracing.leaf("stream write", "stream", {"fleet.frames": len(frames)}):
-                await response.write(b"".join(frames))
-        else:
+        with run.tracing.output_leaf(writes, "stream write", "stream", {"fleet.frames": len(frames)}):
             await response.write(b"".join(frames))
         writes += 1
     return response

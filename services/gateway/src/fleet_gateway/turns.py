@@ -12,7 +12,6 @@ still a proper error response; afterwards failures arrive as a `Failed` event.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_proto import SamplingParams, TokenChunk
 from fleet_proto.messages import TokenLogprob
-from fleet_runtime.tracing import Tracing, detailed
+from fleet_runtime.tracing import Tracing
 from fleet_store import StoreError
 
 
@@ -174,11 +173,6 @@ class Run:
     def prompt_tokens(self) -> int:
         return len(self.prepared.prompt)
 
-    def _detokenizing(self, output_number: int, tokens: int) -> contextlib.AbstractContextManager:
-        if not detailed(output_number):
-            return contextlib.nullcontext()
-        return self.tracing.leaf("detokenize", "detokenize", {"fleet.tokens": tokens})
-
     async def events(self) -> AsyncIterator[Event]:
         step = self.prepared.step
         engine_reason, last, first_token_at, outputs = "stop", None, 0.0, 0
@@ -195,7 +189,8 @@ class Run:
                 if chunk.token_ids and not first_token_at:
                     first_token_at = time.monotonic()
                 last = chunk
-                with self._detokenizing(outputs, len(chunk.token_ids)):
+                tokens = {"fleet.tokens": len(chunk.token_ids)}
+                with self.tracing.output_leaf(outputs, "detokenize", "detokenize", tokens):
                     delta = step.push(chunk.token_ids)
                     delta.logprobs = [token_score(self.prepared.model.tokenizer, lp) for lp in chunk.logprobs]
                 outputs += 1
