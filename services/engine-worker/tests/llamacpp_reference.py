@@ -1,5 +1,5 @@
 """llama-cpp-python's own API doing what the llama.cpp engine does on a CPU, the reference its tests
-compare to: the GGUF as the engine serves it (llamacpp_weights: Q4_1 re-encoded to Q8_0) decodes,
+compare to: the GGUF as the engine serves it (llamacpp_weights: Q4_1 re-encoded to F16) decodes,
 and a prompt of PREFILL_APART_MIN_TOKENS or more is prefilled but its last token on the F16 copy,
 whose sequence state (llama_state_seq_get_data / set_data) then goes to the decoding model."""
 
@@ -15,9 +15,9 @@ from fleet_worker.engines.llamacpp_weights import served_gguf
 
 
 class LlamaCppReference:
-    def __init__(self, gguf: Path, n_ctx: int = 2048) -> None:
+    def __init__(self, gguf: Path, n_ctx: int = 2048, weight_type: str = "auto") -> None:
         self.decoder = llama_cpp.Llama(
-            model_path=str(served_gguf(gguf)), n_ctx=n_ctx, n_threads=2, verbose=False
+            model_path=str(served_gguf(gguf, weight_type)), n_ctx=n_ctx, n_threads=2, verbose=False
         )
         self.prefiller = llama_cpp.Llama(
             model_path=str(served_gguf(gguf, "F16")), n_ctx=n_ctx, n_threads=2, verbose=False

@@ -27,6 +27,12 @@ LONG = "<|im_start|>user\n" + " ".join(f"item {n} is {n * 7 % 13}." for n in ran
 LONGER = "<|im_start|>user\n" + " ".join(f"box {n} holds {n * 5 % 11}." for n in range(30)) + "<|im_end|>\n"
 
 
+# F32 decode weights beside the F16 prefill copy, so the prefill-apart path runs (the CPU default,
+# F16, needs no copy); quantized weights are not used here: llama-cpp-python's high-level reference
+# would put them in AMX buffers, which die of SIGILL on this project's VMs (llamacpp_weights).
+DECODE_TYPE = "F32"
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("smollm2-gguf")
@@ -37,12 +43,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def direct(model_dir: Path) -> LlamaCppReference:
-    return LlamaCppReference(gguf_file(model_dir))
+    return LlamaCppReference(gguf_file(model_dir), weight_type=DECODE_TYPE)
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> LlamaCppEngine:
-    return LlamaCppEngine(model_dir, n_ctx=4096, n_batch=32, max_batch_size=8, prefill_batch=64)
+    return LlamaCppEngine(
+        model_dir,
+        n_ctx=4096,
+        n_batch=32,
+        max_batch_size=8,
+        prefill_batch=64,
+        weight_type=DECODE_TYPE,
+        prefill_weight_type="F16",
+    )
 
 
 def tokens_of(direct: LlamaCppReference, text: str) -> tuple[int, ...]:
@@ -140,7 +154,15 @@ def test_a_long_new_part_after_a_cached_prefix_prefills_apart_with_the_prefix(en
 def test_a_cancel_while_prefilling_apart_leaves_both_contexts_clean(model_dir: Path, direct) -> None:
     # an engine of its own: the shared one's slots hold prefixes computed on either weights, and a
     # rerun reusing one would not be the reference's cold run (CI saw greedy tokens part at the 5th)
-    engine = LlamaCppEngine(model_dir, n_ctx=2048, n_batch=32, max_batch_size=2, prefill_batch=64)
+    engine = LlamaCppEngine(
+        model_dir,
+        n_ctx=2048,
+        n_batch=32,
+        max_batch_size=2,
+        prefill_batch=64,
+        weight_type=DECODE_TYPE,
+        prefill_weight_type="F16",
+    )
     try:
         long = tokens_of(direct, LONGER + QUESTION.replace("France", "Laos"))
         engine.add(greedy("gone", long, max_tokens=8))
@@ -158,7 +180,14 @@ def test_a_cancel_while_prefilling_apart_leaves_both_contexts_clean(model_dir: P
 
 
 def test_without_the_prefill_copy_every_token_runs_on_the_decode_weights(model_dir: Path, direct) -> None:
-    plain = LlamaCppEngine(model_dir, n_ctx=2048, n_batch=64, max_batch_size=2, prefill_weight_type="none")
+    plain = LlamaCppEngine(
+        model_dir,
+        n_ctx=2048,
+        n_batch=64,
+        max_batch_size=2,
+        weight_type=DECODE_TYPE,
+        prefill_weight_type="none",
+    )
     try:
         assert plain._prefill is None
         long = tokens_of(direct, LONG + QUESTION)
@@ -240,7 +269,7 @@ def test_kv_handed_from_one_engine_to_another_decodes_like_a_cold_run(
     assert (chunks[0].token_start, chunks[-1].token_end) == (0, end)
     keys = chunks[0].kv[0][0]
     assert keys.dtype == (wire_dtype or "F16") and keys.shape[1:] == (3, 64)  # SmolLM2: 3 kv heads of 64
-    decoder = LlamaCppEngine(model_dir, n_ctx=2048, max_batch_size=2)
+    decoder = LlamaCppEngine(model_dir, n_ctx=2048, max_batch_size=2, weight_type=DECODE_TYPE)
     try:
         tokens, final = decode_from(decoder, folder, prompt)
     finally:
@@ -270,7 +299,7 @@ def test_a_handoff_with_its_first_token_decodes_on_from_the_second(
     folder = tmp_path / "first"
     # an engine of its own: the shared one's cached prefixes and whatever its unified cache holds
     # beside a sequence move the rounding, and the tokens are compared far out
-    decoder = LlamaCppEngine(model_dir, n_ctx=2048, max_batch_size=2)
+    decoder = LlamaCppEngine(model_dir, n_ctx=2048, max_batch_size=2, weight_type=DECODE_TYPE)
     try:
         export_to(decoder, folder, prompt)
         tokens, final = decode_from(decoder, folder, prompt, first_token=cold[0])

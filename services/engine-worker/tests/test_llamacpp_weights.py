@@ -24,8 +24,8 @@ F16 = llama_cpp.LLAMA_FTYPE_MOSTLY_F16
 GIB = 1 << 30
 
 
-def test_auto_re_encodes_only_slow_cpu_types_on_cpu_builds() -> None:
-    assert target_weight_type("auto", Q4_1, gpu_offload=False) == "Q8_0"
+def test_auto_re_encodes_only_slow_cpu_types_on_cpu_builds_to_their_own_values_in_f16() -> None:
+    assert target_weight_type("auto", Q4_1, gpu_offload=False) == "F16"
     assert target_weight_type("auto", Q4_1, gpu_offload=True) is None
     assert target_weight_type("auto", Q8_0, gpu_offload=False) is None
     assert target_weight_type("as-is", Q4_1, gpu_offload=False) is None
@@ -53,7 +53,7 @@ def test_a_q4_1_gguf_is_re_encoded_once_beside_the_original(tmp_path: Path) -> N
     os.symlink(gguf, tmp_path / gguf.name)
     assert file_type(tmp_path / gguf.name) == Q4_1
     served = served_gguf(tmp_path / gguf.name, "auto")
-    assert served.parent == tmp_path / REENCODED_DIR and file_type(served) == Q8_0
+    assert served.parent == tmp_path / REENCODED_DIR and file_type(served) == F16
     made = served.stat().st_mtime_ns
     assert served_gguf(tmp_path / gguf.name, "auto") == served and served.stat().st_mtime_ns == made
     assert served_gguf(tmp_path / gguf.name, "as-is") == tmp_path / gguf.name

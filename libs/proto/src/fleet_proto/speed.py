@@ -6,6 +6,10 @@ them: REFERENCE_PROMPT_TOKENS at the measured prefill speed plus REFERENCE_OUTPU
 measured decode speed. Until every candidate engine of a node is measured for the model, the
 node kind's PRIOR_ORDER ranks them: the order measured on such nodes so far (docs/ARCHITECTURE.md),
 a starting point that the node's own measurements replace.
+
+An engine may be measured in several weight formats (llama.cpp: the GGUF as it is, Q8_0, F16): it
+counts with the fastest of them within the quality budget (fleet_proto.quality), and an engine none
+of whose formats is within it ranks after every engine that has one.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fleet_proto.common import EngineCalibration, NodeInfo, NodeKind
+from fleet_proto.quality import describe_quality, eligible, within_budget
 
 REFERENCE_PROMPT_TOKENS = 512
 REFERENCE_OUTPUT_TOKENS = 128
@@ -29,15 +34,21 @@ def engine_version(node: NodeInfo, engine: str) -> str:
     return next((e.version for e in node.engines if e.name == engine), "")
 
 
-def calibration(node: NodeInfo, engine: str, model_id: str) -> EngineCalibration | None:
-    """The newest measurement of `engine` (at the version the node runs now) on `model_id`."""
+def calibrations(node: NodeInfo, engine: str, model_id: str) -> list[EngineCalibration]:
+    """The newest measurement per weight format of `engine` (at the version the node runs now)."""
     version = engine_version(node, engine)
-    matching = [
-        c
-        for c in node.calibrations
-        if c.engine == engine and c.model_id == model_id and c.engine_version == version
-    ]
-    return max(matching, key=lambda c: c.at, default=None)
+    newest: dict[str, EngineCalibration] = {}
+    for c in node.calibrations:
+        if c.engine == engine and c.model_id == model_id and c.engine_version == version:
+            if c.weight_format not in newest or c.at > newest[c.weight_format].at:
+                newest[c.weight_format] = c
+    return list(newest.values())
+
+
+def calibration(node: NodeInfo, engine: str, model_id: str) -> EngineCalibration | None:
+    """The measurement `engine` counts with on `node`: its fastest format within the node's budget."""
+    options = eligible(calibrations(node, engine, model_id), node.quality_budget)
+    return min(options, key=reference_seconds, default=None)
 
 
 def reference_seconds(measured: EngineCalibration) -> float:
@@ -52,12 +63,19 @@ def _prior_index(kind: NodeKind, engine: str) -> int:
 
 
 def engine_order(node: NodeInfo, model_id: str, engines: Iterable[str]) -> tuple[list[str], str]:
-    """`engines` fastest first on `node` for `model_id`, and how they were ranked (MEASURED when every
-    one of them has a calibration there, else PRIOR); ties keep the given order."""
+    """`engines` fastest first on `node` for `model_id` (those within the quality budget before the
+    others), and how they were ranked (MEASURED when every one of them has a calibration there, else
+    PRIOR); ties keep the given order."""
     candidates = list(dict.fromkeys(engines))
     measured = {e: calibration(node, e, model_id) for e in candidates}
     if candidates and all(measured.values()):
-        return sorted(candidates, key=lambda e: reference_seconds(measured[e])), MEASURED  # type: ignore[arg-type]
+
+        def key(engine: str) -> tuple[bool, float]:
+            chosen = measured[engine]
+            assert chosen is not None
+            return (not within_budget(chosen, node.quality_budget), reference_seconds(chosen))
+
+        return sorted(candidates, key=key), MEASURED
     return sorted(candidates, key=lambda e: _prior_index(node.kind, e)), PRIOR
 
 
@@ -65,8 +83,10 @@ def describe(node: NodeInfo, model_id: str, engine: str, how: str) -> str:
     """The reason part that says why `engine` ranks where it does on `node`."""
     measured = calibration(node, engine, model_id)
     if how == MEASURED and measured is not None:
+        fmt = f" as {measured.weight_format}" if measured.weight_format else ""
+        quality = describe_quality(measured, node.quality_budget)
         return (
-            f"{engine} measured {measured.prefill_tokens_per_s:.0f} prefill / "
-            f"{measured.decode_tokens_per_s:.1f} decode tok/s here"
+            f"{engine}{fmt} measured {measured.prefill_tokens_per_s:.0f} prefill / "
+            f"{measured.decode_tokens_per_s:.1f} decode tok/s here; {quality}"
         )
     return f"{engine} by the {node.kind} prior (not every engine measured here yet)"

@@ -87,6 +87,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # loaded engine at once and the node's other engines for that model in the background, one at a
     # time and memory permitting; "loaded": only the loaded engine; "off": none.
     calibration: str = "all"
+    # How close to the float32 reference of a model's weights an engine and weight format must come
+    # for Fleet to choose it by itself (fleet_proto.quality): "" the default (top-1 agreement >= 0.98,
+    # mean KL <= 0.02 nats), "off" (the fastest wins), or "top1=0.98,kl=0.02". Measured with calibration.
+    quality_budget: str = ""
     # How long an engine process may hold a stream's next tokens to send several at once (a request's
     # first tokens and its end are never held): fewer wake-ups of the worker, NATS and the gateway
     # while the engine computes. 0 sends every step's tokens at once.

@@ -24,6 +24,7 @@ from opentelemetry.trace import use_span
 from fleet_bus import BusUnavailable, Delivery, publish_chunk
 from fleet_bus.trace_context import is_sampled, remote_context
 from fleet_proto import (
+    EngineCalibration,
     GenerateTask,
     HandoffStats,
     Instance,
@@ -34,10 +35,12 @@ from fleet_proto import (
     InstanceStatus,
     InstanceStatusChanged,
     PrefillRequest,
+    QualityBudget,
     SamplingParams,
     State,
     TokenChunk,
 )
+from fleet_proto.quality import DEFAULT_BUDGET, describe_quality, label
 from fleet_proto.routing import (
     FIRST_TOKEN_EXPORT_ENGINES,
     FIRST_TOKEN_IMPORT_ENGINES,
@@ -59,13 +62,21 @@ from fleet_store.handoff import append_error
 from fleet_store.kv import manifest_fingerprint
 from fleet_store.layers import files_for_layers
 from fleet_worker.calibration import TIMEOUT_S as CALIBRATION_TIMEOUT_S
-from fleet_worker.calibration import CalibrationStore, calibration_request, final_output, measured
+from fleet_worker.calibration import (
+    CalibrationStore,
+    calibration_request,
+    measure_engine,
+    measured,
+    served_format,
+)
 from fleet_worker.engine_process import EngineProcess, EngineProcessExited
-from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport
+from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport, engine_spec
 from fleet_worker.handoff import HandoffClient
 from fleet_worker.handoff_transport import HandoffFailed
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
+from fleet_worker.quality.measure import QualityReference
+from fleet_worker.quality.run import ensure_reference
 from fleet_worker.request_trace import (
     RequestTrace,
     end_transfer,
@@ -118,6 +129,8 @@ class Calibration:
     engine_versions: Mapping[str, str] = field(default_factory=dict)
     mode: str = "all"
     on_calibrated: Callable[[], Awaitable[None]] = _nothing
+    budget: QualityBudget = DEFAULT_BUDGET  # FLEET_QUALITY_BUDGET: which engine/format loads by itself
+    references: Path | None = None  # where the models' float32 quality references are kept
 
 
 def warm_up_request(request_id: str) -> EngineRequest:
@@ -283,6 +296,8 @@ class InstanceManager:
         self._calibration_mode = calibration.mode if calibration.store is not None else "off"
         self._engine_versions = dict(calibration.engine_versions)
         self._on_calibrated = calibration.on_calibrated
+        self._quality_budget = calibration.budget
+        self._references = calibration.references
         self._calibration_lock = asyncio.Lock()  # one calibration engine process at a time
         self._calibrating: set[asyncio.Task[None]] = set()
         self._handoffs = handoffs
@@ -363,6 +378,9 @@ class InstanceManager:
             # shared tier (and of this worker's index: running.kv_fingerprint stays "").
             shared = not instance.is_pipeline
             options = engine_options(self._options, instance.engine, manifest, self._kv_settings, shared)
+            weight_format = self._served_format(instance.engine, instance.model_id, options)
+            if weight_format:
+                options[engine_spec(instance.engine).weight_option] = weight_format
             if instance.is_pipeline:
                 options["pipeline"] = pipeline_options(instance, rank)
             progress = LoadProgressReporter(lambda fraction: self._loading_progress(iid, fraction))
@@ -386,7 +404,7 @@ class InstanceManager:
                 await self._status(iid, InstanceStatus.WARMING, 0.0)
                 await self._warm_up(running)
                 if self._calibration_mode != "off":
-                    await self._calibrate_loaded(running)
+                    await self._calibrate_loaded(running, weight_format)
         except asyncio.CancelledError:  # unloaded (deleted or moved) while loading
             self._restarting.discard(iid)
             self._release(instance)
@@ -462,38 +480,40 @@ class InstanceManager:
         if output.finish_reason == "error":
             raise RuntimeError(f"warm-up failed: {output.error}")
 
-    # -- calibration: how fast each engine runs each model here (calibration.py) ----------------
-    def _uncalibrated(self, engine: str, model_id: str) -> bool:
+    # -- calibration: how fast each engine runs each model here (calibration.py), and how close it
+    # comes to the model's float32 reference (quality/) ------------------------------------------
+    def _uncalibrated(
+        self, engine: str, model_id: str, weight_format: str = "", quality: bool = False
+    ) -> bool:
+        """Not measured yet (with `quality`: or measured without quality)."""
         store = self._calibrations
         version = self._engine_versions.get(engine, "")
         if store is None or not version or engine == "echo":  # echo loads no model: nothing to time
             return False
-        return store.get(engine, version, model_id) is None
+        entry = store.get(engine, version, model_id, weight_format)
+        return entry is None or (quality and entry.quality is None)
 
-    async def _record(self, engine: str, model_id: str, output: EngineOutput) -> None:
-        version = self._engine_versions[engine]
-        entry = measured(output, engine, version, model_id, time.time())
+    async def _record(self, entry: EngineCalibration | None, engine: str, model_id: str, why: str) -> None:
         if entry is None or self._calibrations is None:
-            log.warning(
-                "calibration of %s on %s gave no timings: %s", engine, model_id, output.error or output
-            )
+            log.warning("calibration of %s on %s gave no timings: %s", engine, model_id, why)
             return
         self._calibrations.put(entry)
         log.info(
-            "calibrated %s %s on %s: %.0f prefill, %.1f decode tokens/s",
-            engine,
-            version,
+            "calibrated %s %s on %s: %.0f prefill, %.1f decode tokens/s; %s",
+            label(entry),
+            entry.engine_version,
             model_id,
             entry.prefill_tokens_per_s,
             entry.decode_tokens_per_s,
+            describe_quality(entry, self._quality_budget),
         )
         await self._on_calibrated()
 
-    async def _calibrate_loaded(self, running: RunningInstance) -> None:
+    async def _calibrate_loaded(self, running: RunningInstance, weight_format: str) -> None:
         """Time the instance's own engine on its model, before it takes requests (advisory: a failure
-        is logged and the instance serves anyway)."""
+        is logged and the instance serves anyway). Its quality is measured in the background."""
         instance = running.instance
-        if instance.is_pipeline or not self._uncalibrated(instance.engine, instance.model_id):
+        if instance.is_pipeline or not self._uncalibrated(instance.engine, instance.model_id, weight_format):
             return
         request = calibration_request(f"calibrate-{instance.instance_id}")
         try:
@@ -501,7 +521,9 @@ class InstanceManager:
         except TimeoutError:
             log.warning("calibration of %s timed out", instance.instance_id)
             return
-        await self._record(instance.engine, instance.model_id, output)
+        version = self._engine_versions[instance.engine]
+        entry = measured(output, instance.engine, version, instance.model_id, time.time(), weight_format)
+        await self._record(entry, instance.engine, instance.model_id, output.error or str(output))
 
     def _calibrate_others_later(self, instance: Instance, folder: Path) -> None:
         if self._calibration_mode != "all" or instance.is_pipeline:
@@ -513,47 +535,63 @@ class InstanceManager:
         task.add_done_callback(self._calibrating.discard)
 
     async def _calibrate_others(self, instance: Instance, folder: Path) -> None:
-        """Time the node's other engines that can run the instance's model, one engine process at a
-        time (on the files the instance loaded from), while memory allows one more copy of it."""
+        """Measure every engine and weight format of this node that can run the instance's model and
+        is not measured yet (quality included, when the model has a reference), one engine process
+        at a time (on the files the instance loaded from), while memory allows one more copy of it."""
         card = self._ctx.follower.state.models.get(instance.model_id)
         if card is None:
             return
-        others = [e for e in card.supported_engines if e != instance.engine and e in self._engine_versions]
-        for engine in others:
-            async with self._calibration_lock:
-                if not self._uncalibrated(engine, card.model_id):
-                    continue
-                need = card.storage_bytes * 1.3
-                if (available := psutil.virtual_memory().available) < need:
-                    log.info(
-                        "not calibrating %s on %s: %d bytes free, %d needed",
-                        engine,
-                        card.model_id,
-                        available,
-                        need,
-                    )
-                    continue
-                try:
-                    output = await self._time_engine(engine, folder)
-                except Exception as error:  # advisory: this engine stays unmeasured
-                    log.warning("calibrating %s on %s failed: %s", engine, card.model_id, error)
-                    continue
-                await self._record(engine, card.model_id, output)
+        reference = None
+        if self._references is not None:
+            path = self._references / f"{card.model_id.replace('/', '--')}.json"
+            try:
+                reference = await ensure_reference(folder, path)
+            except Exception as error:  # advisory: engines are then timed only
+                log.warning("quality reference of %s failed: %s", card.model_id, error)
+        engines = [e for e in card.supported_engines if e in self._engine_versions]
+        for engine in engines:
+            for weight_format in engine_spec(engine).weight_formats or ("",):
+                async with self._calibration_lock:
+                    if not self._uncalibrated(engine, card.model_id, weight_format, reference is not None):
+                        continue
+                    need = card.storage_bytes * 1.3
+                    if (available := psutil.virtual_memory().available) < need:
+                        log.info(
+                            "not calibrating %s on %s: %d bytes free, %d needed",
+                            engine,
+                            card.model_id,
+                            available,
+                            need,
+                        )
+                        continue
+                    try:
+                        entry = await self._measure_engine(
+                            engine, weight_format, card.model_id, folder, reference
+                        )
+                    except Exception as error:  # advisory: this engine stays unmeasured
+                        log.warning("calibrating %s on %s failed: %s", engine, card.model_id, error)
+                        continue
+                    await self._record(entry, engine, card.model_id, "no timings")
 
-    async def _time_engine(self, engine_name: str, folder: Path) -> EngineOutput:
-        """Start `engine_name` on the model in `folder`, warm it up, time the calibration request, stop."""
-        engine = await EngineProcess.start(
-            engine_name, folder, dict(self._options.get(engine_name, {})), LOAD_TIMEOUT_S
+    async def _measure_engine(
+        self,
+        engine_name: str,
+        weight_format: str,
+        model_id: str,
+        folder: Path,
+        reference: QualityReference | None,
+    ) -> EngineCalibration | None:
+        options = dict(self._options.get(engine_name, {}))
+        version = self._engine_versions[engine_name]
+        measurement = await measure_engine(
+            engine_name, version, model_id, folder, options, weight_format, reference
         )
-        try:
-            outputs = engine.outputs()
-            engine.submit(warm_up_request("warmup-calibration"))
-            await asyncio.wait_for(final_output(outputs, "warmup-calibration"), WARMUP_TIMEOUT_S)
-            request = calibration_request("calibration")
-            engine.submit(request)
-            return await asyncio.wait_for(final_output(outputs, request.request_id), CALIBRATION_TIMEOUT_S)
-        finally:
-            await engine.stop()
+        return measurement.calibration
+
+    def _served_format(self, engine: str, model_id: str, options: Mapping[str, Any]) -> str:
+        spec, version, store = engine_spec(engine), self._engine_versions.get(engine, ""), self._calibrations
+        entries = [store.get(engine, version, model_id, f) for f in spec.weight_formats] if store else []
+        return served_format(spec, options, [e for e in entries if e is not None], self._quality_budget)
 
     async def _drain(self, running: RunningInstance) -> None:
         """Let in-flight requests finish (new ones are no longer routed here), then unload and say so."""

@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 
 from fleet_bus import consume_tasks
 from fleet_proto import CancelRequest, GenerateTask, ModelDeleted, NodeJoined, NodeLeft, ServiceKind
+from fleet_proto.quality import parse_budget
 from fleet_proto.subjects import metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import KV_BUCKET, ObjectStore, StoreError
@@ -92,6 +93,8 @@ async def main(ctx: ServiceContext) -> None:
     interfaces = await asyncio.to_thread(network_interfaces)
     ring_host = resolved_ring_host(settings.ring_host, interfaces)
 
+    budget = parse_budget(settings.quality_budget)  # a bad value stops the worker at start
+
     async def announce() -> None:
         """NodeJoined on start and whenever what the node offers changes (a model got cached)."""
         info = await asyncio.to_thread(
@@ -104,6 +107,7 @@ async def main(ctx: ServiceContext) -> None:
             ring_host=ring_host,
             ring_port_base=settings.ring_port_base,
             calibrations=calibrations.all(),
+            quality_budget=budget,
         )
         await ctx.bus.publish_event(NodeJoined(node=info, origin=ctx.service_id, at=time.time()))
 
@@ -115,7 +119,12 @@ async def main(ctx: ServiceContext) -> None:
     calibrations = CalibrationStore(Path(settings.state_dir) / "calibration.json")
     engines = await asyncio.to_thread(node_engines, overrides)
     calibration = Calibration(
-        calibrations, {e.name: e.version for e in engines}, settings.calibration, announce
+        calibrations,
+        {e.name: e.version for e in engines},
+        settings.calibration,
+        announce,
+        budget,
+        Path(settings.state_dir) / "quality",
     )
     kv_settings = KVSettings(
         str(Path(settings.state_dir) / "kv"), settings.kv_block_size, settings.kv_memory_bytes

@@ -16,7 +16,8 @@ from typing import Any, Literal
 import msgspec
 import psutil
 
-from fleet_proto import EngineCalibration, EngineInfo, GpuInfo, NodeInfo, NodeKind, NodeMetrics
+from fleet_proto import EngineCalibration, EngineInfo, GpuInfo, NodeInfo, NodeKind, NodeMetrics, QualityBudget
+from fleet_proto.quality import DEFAULT_BUDGET
 from fleet_worker.gpu import GpuReader, GpuSample, NvmlReader
 
 DMI_DIR = Path("/sys/class/dmi/id")
@@ -205,6 +206,7 @@ def node_info(
     ring_host: str = "",
     ring_port_base: int = 0,
     calibrations: tuple[EngineCalibration, ...] = (),
+    quality_budget: QualityBudget = DEFAULT_BUDGET,
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     disk = psutil.disk_usage(str(_existing(model_dir)))
@@ -228,6 +230,7 @@ def node_info(
         ring_host=ring_host,
         ring_port_base=ring_port_base,
         calibrations=calibrations,
+        quality_budget=quality_budget,
     )
 
 

@@ -167,6 +167,10 @@ class EngineSpec:
     prefill_progress: bool = False  # the constructor takes on_prefill_progress
     # Called in the engine's process after `environment` is set and before its module is imported.
     before_import: Callable[[], object] | None = None
+    # The weight formats the engine can serve a model in, each calibrated apart (speed and quality),
+    # and the constructor option that picks one; without the option the engine chooses by itself.
+    weight_formats: tuple[str, ...] = ()
+    weight_option: str = ""
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -187,7 +191,14 @@ ENGINES: dict[str, EngineSpec] = {
     # idle threads spin ~300k rounds after each step by default, starving the worker, NATS and the
     # gateway of the cores the next token must cross: 3000 rounds measured 56 -> 76 tok/s for one
     # stream through the stack and 1.88 -> 1.55 s TTFT(512) (2 cores; direct decode unchanged).
-    "llamacpp": EngineSpec("fleet_worker.engines.llamacpp_engine:LlamaCppEngine", {"GOMP_SPINCOUNT": "3000"}),
+    # Its weight formats: the GGUF as it is, and re-encoded (llamacpp_weights); the worker serves the
+    # fastest within the quality budget (fleet_proto.quality).
+    "llamacpp": EngineSpec(
+        "fleet_worker.engines.llamacpp_engine:LlamaCppEngine",
+        {"GOMP_SPINCOUNT": "3000"},
+        weight_formats=("as-is", "Q8_0", "F16"),
+        weight_option="weight_type",
+    ),
     # No model: echoes the prompt's tokens, to measure Fleet's own costs (fleet bench control-plane).
     "echo": EngineSpec("fleet_worker.engines.echo_engine:EchoEngine"),
 }

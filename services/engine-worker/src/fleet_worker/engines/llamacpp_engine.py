@@ -82,8 +82,10 @@ from fleet_worker.engines.llamacpp_weights import (
     memory_bytes,
     prefill_weight_type,
     served_gguf,
+    use_extra_buffers,
 )
 from fleet_worker.engines.numpy_sampling import Sampler, log_softmax, penalized, token_logprob
+from fleet_worker.probe import cpu_flags
 
 log = logging.getLogger("fleet_worker.llamacpp")
 
@@ -234,17 +236,18 @@ class LlamaCppEngine:
         prefill_weight_type: str = "auto",
         prefill_apart_min_tokens: int = PREFILL_APART_MIN_TOKENS,
         prefill_batch: int = PREFILL_BATCH,
+        extra_buffers: str = "auto",
     ) -> None:
-        """n_threads 0: the physical cores; n_gpu_layers -1: every layer on the GPU where the build
-        has one (CPU builds ignore it); weight_type: "auto" (llamacpp_weights: Q4_1 re-encoded to
-        Q8_0 on a CPU), "as-is", or a type to re-encode to. flash_attn is off by default: llama.cpp's
-        CPU flash attention splits the KV range by the whole unified cache, so a sequence's greedy
-        tokens then depend on what else the cache holds (measured: a prompt decoded beside another
-        diverged after 24 tokens; without it the tokens are the same alone, after or beside others),
-        and a handed-over KV would not decode like a cold run. prefill_weight_type: "auto"
-        (llamacpp_weights: F16 on a CPU for quantized weights), "none" (prefill with the decode
-        weights), or a type; prompts of at least prefill_apart_min_tokens go there, prefill_batch
-        tokens a step."""
+        """n_threads 0: the physical cores; n_gpu_layers -1: every layer on the GPU where the build has one
+        (CPU builds ignore it); weight_type: "auto" (llamacpp_weights: Q4_1 re-encoded to F16 on a CPU until
+        the worker names a measured format), "as-is", or a type to re-encode to. flash_attn is off by default:
+        llama.cpp's CPU flash attention splits the KV range by the whole unified cache, so a sequence's greedy
+        tokens then depend on what else the cache holds (measured: a prompt decoded beside another diverged
+        after 24 tokens; without it the tokens are the same alone, after or beside others), and a handed-over
+        KV would not decode like a cold run. prefill_weight_type: "auto" (llamacpp_weights: F16 on a CPU for
+        quantized weights), "none" (prefill with the decode weights), or a type; prompts of at least
+        prefill_apart_min_tokens go there, prefill_batch tokens a step. extra_buffers: "auto", "on" or "off"
+        (llamacpp_weights.use_extra_buffers)."""
         if prefill_apart_min_tokens < 1:
             raise ValueError(f"prefill_apart_min_tokens must be at least 1, got {prefill_apart_min_tokens}")
         model_dir = Path(model_dir)
@@ -255,6 +258,7 @@ class LlamaCppEngine:
         path = served_gguf(original, weight_type, threads)
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
+        model_params.use_extra_bufts = use_extra_buffers(extra_buffers, cpu_flags())
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {path}")

@@ -4,10 +4,13 @@ llama.cpp multiplies some weight types far slower than others on an x86 CPU: Q4_
 have tiled GEMM kernels (llamafile's sgemm, the repacked layouts), Q4_1 and Q5_1 fall back to one dot
 product per output. Measured on SmolLM2-135M's Q4_1 GGUF, 2 cores, llama-cpp-python directly: a
 512-token prompt takes 1.95-2.03 s as Q4_1, 1.24 s re-encoded to Q8_0 (decode 90-99 vs 106-109
-tokens/s; F16: 1.0 s but decode 64-69). So on a CPU-only build ("auto") a Q4_1/Q5_1 file is
-re-encoded once to Q8_0 with llama.cpp's own quantizer (every value kept to 8 bits: an error far
-below the 4-bit one the file already carries) and the copy is cached beside the original. GPU
-builds, other types and weight_type="as-is" serve the file as it is.
+tokens/s; F16: 1.0 s but decode 64-69). Speed is not all: llama.cpp multiplies quantized weights with
+activations quantized to 8 bits, and on that 135M model the Q4_1 and Q8_0 paths change the greedy
+answer ("L'Etoile" for the capital of France) where F16, the file's own values, answers as the
+float32 reference does. So on a CPU-only build "auto" re-encodes a Q4_1/Q5_1 file once to F16 (the
+copy is cached beside the original), until the worker has measured every format's speed and quality
+and names the fastest within the quality budget (fleet_proto.quality) as `weight_type`. GPU builds,
+other types and weight_type="as-is" serve the file as it is.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ WEIGHT_TYPES = {
     "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
     "F32": llama_cpp.LLAMA_FTYPE_ALL_F32,
 }
-CPU_TARGET = "Q8_0"
+CPU_TARGET = "F16"
 PREFILL_TARGET = "F16"
 UNQUANTIZED = frozenset(
     {llama_cpp.LLAMA_FTYPE_ALL_F32, llama_cpp.LLAMA_FTYPE_MOSTLY_F16, llama_cpp.LLAMA_FTYPE_MOSTLY_BF16}
@@ -37,8 +40,26 @@ PREFILL_COPY_MEMORY_SHARE = 4  # an F16 prefill copy may take at most 1/4 of the
 REENCODED_DIR = ".llamacpp"  # hidden: the model folder still holds one *.gguf
 
 
+# CPU flags under which llama.cpp puts quantized weights in AMX tile buffers (an "extra" buffer type).
+AMX_FLAGS = frozenset({"amx_int8", "amx_tile"})
+EXTRA_BUFFERS = ("auto", "on", "off")
+
+
 class WeightTypeError(ValueError):
     pass
+
+
+def use_extra_buffers(asked: str, cpu_flags: frozenset[str]) -> bool:
+    """Whether llama.cpp may put weights in its extra buffer types (repacked layouts, AMX tiles).
+
+    "auto": not where the CPU reports AMX. On this project's VMs (a Xeon that reports amx_int8 and
+    amx_tile, the kernel granting tile data) llama.cpp's AMX buffers kill the process with SIGILL on
+    the first batched matmul of Q4_1 or Q8_0 weights (2026-12-06: any prompt of 8+ tokens, or 2+
+    streams at once); without extra buffers the same weights run on its AVX-512 kernels. An AMX CPU
+    whose tiles work can have them back with "on"."""
+    if asked not in EXTRA_BUFFERS:
+        raise WeightTypeError(f"extra_buffers {asked!r}: expected one of {', '.join(EXTRA_BUFFERS)}")
+    return asked == "on" or (asked == "auto" and not cpu_flags & AMX_FLAGS)
 
 
 def target_weight_type(asked: str, file_type: int, gpu_offload: bool) -> str | None:
