@@ -54,7 +54,7 @@ def test_the_default_stack_answers_the_readme_question_through_every_client(tmp_
         assert "Paris" in chat.choices[0].message.content, chat
 
         message = anthropic.Anthropic(base_url=gateway, api_key="unused").messages.create(
-            model=DEFAULT_MODEL_ID, messages=messages, max_tokens=24, temperature=0
+            model=DEFAULT_MODEL_ID, messages=messages, max_tokens=24, extra_body={"temperature": 0}
         )
         assert "Paris" in message.content[0].text, message
 
