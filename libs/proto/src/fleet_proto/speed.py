@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from fleet_proto.common import EngineCalibration, NodeInfo, NodeKind
+from fleet_proto.common import EngineCalibration, NodeInfo, NodeKind, QualityBudget
 from fleet_proto.quality import describe_quality, eligible, within_budget
 
 REFERENCE_PROMPT_TOKENS = 512
@@ -47,8 +47,14 @@ def calibrations(node: NodeInfo, engine: str, model_id: str) -> list[EngineCalib
 
 def calibration(node: NodeInfo, engine: str, model_id: str) -> EngineCalibration | None:
     """The measurement `engine` counts with on `node`: its fastest format within the node's budget."""
-    options = eligible(calibrations(node, engine, model_id), node.quality_budget)
-    return min(options, key=reference_seconds, default=None)
+    return fastest_within(calibrations(node, engine, model_id), node.quality_budget)
+
+
+def fastest_within(
+    measurements: Iterable[EngineCalibration], budget: QualityBudget
+) -> EngineCalibration | None:
+    """The fastest of `measurements` within `budget` (the closest to the reference when none is)."""
+    return min(eligible(measurements, budget), key=reference_seconds, default=None)
 
 
 def reference_seconds(measured: EngineCalibration) -> float:

@@ -16,15 +16,14 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from fleet_proto import EngineCalibration, QualityBudget, SamplingParams
-from fleet_proto.quality import eligible
-from fleet_proto.speed import reference_seconds
+from fleet_proto.speed import fastest_within
 from fleet_worker.engine_process import EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest, EngineSpec, engine_spec
 from fleet_worker.quality.measure import FIRST_POSITION, QualityReference
@@ -79,12 +78,8 @@ def measured(
     )
 
 
-async def final_output(outputs: AsyncIterator[EngineOutput], request_id: str) -> EngineOutput:
-    """Read an engine's outputs up to `request_id`'s final one (an engine nothing else uses)."""
-    async for output in outputs:
-        if output.request_id == request_id and output.finish_reason:
-            return output
-    raise RuntimeError("the engine process exited")
+def warm_up_request(request_id: str) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt_token_ids=(0,), sampling=SamplingParams(max_tokens=1))
 
 
 class WholeOutputs:
@@ -188,7 +183,7 @@ def served_format(
     asked = str(options.get(spec.weight_option, "auto"))
     if asked != "auto":
         return asked
-    best = min(eligible(measurements, budget), key=reference_seconds, default=None)
+    best = fastest_within(measurements, budget)
     return best.weight_format if best is not None else ""
 
 
@@ -230,9 +225,7 @@ async def measure_engine(
 
     reader = asyncio.create_task(pump())
     try:
-        await run(
-            EngineRequest(request_id="warmup", prompt_token_ids=(0,), sampling=SamplingParams(max_tokens=1))
-        )
+        await run(warm_up_request("warmup"))
         timed = await run(calibration_request("calibration"))
         entry = measured(timed, engine_name, engine_version, model_id, time.time(), weight_format)
         if entry is None:

@@ -68,6 +68,7 @@ from fleet_worker.calibration import (
     measure_engine,
     measured,
     served_format,
+    warm_up_request,
 )
 from fleet_worker.engine_process import EngineProcess, EngineProcessExited
 from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport, engine_spec
@@ -131,10 +132,6 @@ class Calibration:
     on_calibrated: Callable[[], Awaitable[None]] = _nothing
     budget: QualityBudget = DEFAULT_BUDGET  # FLEET_QUALITY_BUDGET: which engine/format loads by itself
     references: Path | None = None  # where the models' float32 quality references are kept
-
-
-def warm_up_request(request_id: str) -> EngineRequest:
-    return EngineRequest(request_id=request_id, prompt_token_ids=(0,), sampling=SamplingParams(max_tokens=1))
 
 
 @dataclass(frozen=True)
