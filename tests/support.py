@@ -19,7 +19,7 @@ import msgspec
 
 from fleet_bus import Bus
 from fleet_local import stack
-from fleet_local.processes import free_port, pid_alive
+from fleet_local.processes import pid_alive
 from fleet_proto import TokenChunk
 from fleet_runtime.settings import PREFIX, Settings
 
@@ -116,7 +116,7 @@ def embedded_stack(
     `prefill_engine` asks for one ("auto": as `make run`)."""
     command = [
         sys.executable, "-m", "fleet_local", "up", "--detach", "--state-dir", str(state_dir),
-        "--port", str(free_port()), "--model", model,
+        "--port", "0", "--model", model,
     ]  # fmt: skip
     if not auth:
         command.append("--no-auth")

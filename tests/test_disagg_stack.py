@@ -44,6 +44,10 @@ STATEFUL_MODELS = {"tiny/sliding-disagg": "sliding", "tiny/hybrid-disagg": "hybr
 SHORT = [{"role": "user", "content": "tell me about the sea and the sky"}]
 LONG_TEXT = " ".join(f"fact {n}: the number {n * 13 % 97} is odd or even." for n in range(120))
 LONG = [{"role": "system", "content": LONG_TEXT}, {"role": "user", "content": "which numbers?"}]
+# A long prompt no other test sends: nothing of it is cached on either worker, so w2 prefills it in
+# its 16-token steps for long enough to be killed mid-handoff.
+UNSEEN_TEXT = " ".join(f"note {n}: the count {n * 7 % 89} is large or small." for n in range(120))
+UNSEEN_LONG = [{"role": "system", "content": UNSEEN_TEXT}, {"role": "user", "content": "which counts?"}]
 
 
 class Cluster:
@@ -201,7 +205,7 @@ def test_a_long_uncached_prompt_is_disaggregated_by_the_routing_rule(cluster: Cl
 
 def test_killing_the_prefill_worker_mid_handoff_still_answers(cluster: Cluster) -> None:
     """Runs last in this module: w2 is gone afterwards."""
-    prompt = prompt_ids(cluster.model_dir, LONG)
+    prompt = prompt_ids(cluster.model_dir, UNSEEN_LONG)
     expected = mlx_greedy(cluster.model_dir, prompt, 8)
     out = cluster.root / "w2" / "kv" / "handoff" / "out"
 
@@ -215,7 +219,7 @@ def test_killing_the_prefill_worker_mid_handoff_still_answers(cluster: Cluster) 
 
     async def scenario() -> tuple[dict, list[int]]:
         killer = asyncio.create_task(kill_when_chunks_flow())
-        result = await bench(cluster, LONG, disaggregated=True, transport="stream")
+        result = await bench(cluster, UNSEEN_LONG, disaggregated=True, transport="stream")
         await killer
         return result
 

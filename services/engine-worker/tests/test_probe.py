@@ -4,7 +4,6 @@ from pathlib import Path
 from fleet_proto.subjects import metrics_subject
 from fleet_worker.probe import (
     ENGINE_REVISIONS,
-    cpu_compute_dtype,
     cpu_flags,
     installed_engines,
     node_id_from,
@@ -116,20 +115,13 @@ def test_the_ring_host_is_resolved_before_it_is_announced(tmp_path: Path):
     assert (info.ring_host, info.ring_port_base) == ("192.168.1.10", 52400)
 
 
-def test_cpu_engines_compute_bf16_only_with_native_bf16_instructions(tmp_path: Path) -> None:
+def test_cpu_flags_are_the_first_cpus(tmp_path: Path) -> None:
     avx2 = tmp_path / "avx2"
     avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t: x\n")
     assert cpu_flags(avx2) == frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
-    assert cpu_compute_dtype(cpu_flags(avx2)) == "float32"
-    avx512 = tmp_path / "avx512"
-    avx512.write_text("flags\t: avx2 avx512f avx512_bf16\n")  # measured slower in bf16: f32
-    assert cpu_compute_dtype(cpu_flags(avx512)) == "float32"
-    sapphire = tmp_path / "amx"
-    sapphire.write_text("flags\t: avx2 avx512f avx512_bf16 amx_bf16\n")
-    assert cpu_compute_dtype(cpu_flags(sapphire)) == "bfloat16"
     arm = tmp_path / "arm"
     arm.write_text("Features\t: fp asimd bf16 i8mm\n")
-    assert cpu_compute_dtype(cpu_flags(arm)) == "bfloat16"
+    assert cpu_flags(arm) == frozenset({"fp", "asimd", "bf16", "i8mm"})
     assert cpu_flags(tmp_path / "missing") == frozenset()
 
 

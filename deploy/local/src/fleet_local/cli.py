@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--state-dir", default=".fleet", help="data, logs and stack.json (default .fleet)")
     up_parser = sub.choices["up"]
-    up_parser.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1 (default 8000)")
+    up_parser.add_argument(
+        "--port", type=int, default=8000, help="gateway port on 127.0.0.1 (default 8000; 0: any free port)"
+    )
     up_parser.add_argument(
         "--detach", action="store_true", help="return once healthy; stop with `fleet down`"
     )

@@ -148,13 +148,17 @@ def up(
     """Start everything and return once every service answers /health; on failure, stop what started.
     Every server runs with the generated credentials; `auth=False` leaves the gateway's APIs open.
     `services=False` starts only the servers, for services run on their own (`fleet worker ...`).
-    `defaults`: FLEET_* settings for the services where the user's environment sets none."""
+    `defaults`: FLEET_* settings for the services where the user's environment sets none.
+    `gateway_port` 0: a free port picked here with the servers' ports, so no two picks collide (a
+    port another process picked can be taken by this stack's servers before the gateway binds it)."""
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     existing = read_manifest(state_dir)
     if existing is not None and running(existing):
         raise StartupError(f"a stack is already running from {state_dir} (run `fleet down` first)")
-    if services and not _port_free(gateway_port):
+    if services and gateway_port == 0:
+        gateway_port = free_port()
+    elif services and not _port_free(gateway_port):
         raise StartupError(f"port {gateway_port} is in use: stop what listens there or pass --port")
     creds = secrets.load_or_create(state_dir)
     manifest = StackManifest(state_dir=str(state_dir))

@@ -77,12 +77,6 @@ def cpu_model_name(cpuinfo: Path = CPUINFO) -> str:
     return platform.processor() or platform.machine()
 
 
-# CPU flags under which bf16 beats f32 in a CPU engine: x86 AMX tiles, Arm's "bf16" feature. Not
-# AVX512-BF16 alone: this project's 2-core test machine has it, and vLLM CPU in bf16 there took
-# 7.5 s for a 512-token prefill against 1.2 s in f32 (issue 16).
-BF16_FLAGS = frozenset({"amx_bf16", "bf16"})
-
-
 def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     """The first CPU's flags (x86 "flags", Arm "Features"); empty when unreadable."""
     try:
@@ -93,11 +87,6 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-def cpu_compute_dtype(flags: frozenset[str]) -> str:
-    """The dtype a CPU engine computes fastest in: bf16 where the CPU has a fast bf16 path, else f32."""
-    return "bfloat16" if flags & BF16_FLAGS else "float32"
 
 
 def read_dmi(field: str, dmi_dir: Path = DMI_DIR) -> str:

@@ -183,9 +183,12 @@ ENGINES: dict[str, EngineSpec] = {
     ),
     # In-process V1 engine core: no engine-core subprocess to outlive or orphan in the engine child.
     # OpenMP threads = physical cores (hyper-threads only contend for the same units on CPUs).
+    # Its weight formats are the dtypes it computes in, measured apart like llama.cpp's.
     "vllm": EngineSpec(
         "fleet_worker.engines.vllm_engine:VllmEngine",
         {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(physical_cores())},
+        weight_formats=("float32", "bfloat16"),
+        weight_option="dtype",
     ),
     # A GGUF on llama-cpp-python's C API (the `llamacpp` extra). Its CPU build runs on libgomp, whose
     # idle threads spin ~300k rounds after each step by default, starving the worker, NATS and the
