@@ -65,10 +65,10 @@ def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iter
     """An embedded stack whose own worker is w1, plus a second worker w2; yields the manifest and
     w2's PID."""
     from fleet_local import stack
-    from fleet_local.processes import free_port, spawn, stop_pid
+    from fleet_local.processes import spawn, stop_pid
 
     os.environ |= {"FLEET_NODE_ID": "w1", **w1}
-    manifest = stack.up(state_dir, gateway_port=free_port(), auth=False)
+    manifest = stack.up(state_dir, gateway_port=0, auth=False)
     env = {
         **os.environ,
         **manifest.env,  # the servers and their credentials

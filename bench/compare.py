@@ -14,7 +14,9 @@ Sides (a peer that is not installed is skipped and says so):
   fleet-split    the same stack: a llamacpp instance decodes, a vLLM prefill-role instance prefills
                  prompts over --split-min-tokens (disaggregated, KV handed over layer by layer)
                                                                  compared with vllm and llama.cpp
-  llama.cpp      llama-cpp-python's server on the original GGUF (Q4_1): what a CPU user would pick
+  llama.cpp      llama-cpp-python's server on the original GGUF (Q4_1): what a CPU user would pick;
+                 on a CPU that reports AMX, on an F16 copy (llama.cpp's AMX buffers SIGILL on this
+                 project's VMs, and F16 is the format within the quality budget that Fleet serves)
 
 Each workload (PROMPTxGEN@CONCURRENCY) runs `--repeats` rounds per side, the sides taking turns
 round by round so machine noise hits all alike; every request carries its own prompt (no cross-side
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
+import statistics
 import sys
 import time
 from contextlib import ExitStack
@@ -35,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import REPO, discard, scratch_dir, serve_on, stage, two_workers, write_result
-from loadgen import Workload, chat_prompt, paired_ratio, parse_workloads, round_prompts, summarize
+from loadgen import Workload, chat_prompt, pair_ratios, parse_workloads, round_prompts, summarize
 from peers import (
     VLLM_SERVER_ARGS,
     MlxDirect,
@@ -80,15 +84,33 @@ def missing_reason(name: str, tiny: bool) -> str:
     return ""
 
 
-def peer_commands(names: list[str], model_dir: Path, model: str, threads: int) -> list[tuple]:
+def llamacpp_peer_gguf(scratch: Path) -> Path:
+    """The GGUF llama.cpp's server loads: the original, or an F16 copy in `scratch` where llama.cpp
+    would put the quantized weights in AMX buffers (the server has no option to keep them out)."""
+    from fleet_worker.engines.llamacpp_weights import served_gguf, use_extra_buffers
+    from fleet_worker.probe import cpu_flags
+
+    original = smollm2_gguf()
+    if use_extra_buffers("auto", cpu_flags()):
+        return original
+    link = scratch / original.name
+    if not link.exists():
+        link.symlink_to(original)
+    copy = served_gguf(link, "F16")
+    print(f"llama.cpp server: {copy.name} (this CPU reports AMX: the Q4_1 file would SIGILL)")
+    return copy
+
+
+def peer_commands(names: list[str], model_dir: Path, model: str, threads: int, scratch: Path) -> list[tuple]:
     """(name, port -> command, environment) of each peer server wanted."""
+    gguf = llamacpp_peer_gguf(scratch) if "llama.cpp" in names else None
     commands = {
         "mlx_lm.server": (lambda port: mlx_server_command(model_dir, port), {}),
         "vllm": (
             lambda port: vllm_server_command(model_dir, model, port),
             {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         ),
-        "llama.cpp": (lambda port: llamacpp_server_command(smollm2_gguf(), model, port, threads), {}),
+        "llama.cpp": (lambda port: llamacpp_server_command(gguf, model, port, threads), {}),
     }
     return [(name, *commands[name]) for name in names if name in commands]
 
@@ -151,7 +173,7 @@ def build_sides(
     model_dir = placed(gateway, *first)
     logs = state_dir / "logs"
     launched = {}
-    for name, command, env in peer_commands(names, model_dir, model, threads):
+    for name, command, env in peer_commands(names, model_dir, model, threads, state_dir):
         port = free_port()
         launched[name] = launch(stack, name, command(port), port, logs, env)
     if mlx_wanted and vllm_wanted:  # the staged folder as the source: no second conversion
@@ -165,7 +187,8 @@ def build_sides(
         asyncio.run(serve_on(gateway, split_model, "w2", layers, engine="vllm", role="prefill"))
     wait_served(list(launched.values()))
     mlx_limit = {"max_prompt_tokens": mlx_max_prompt}
-    llamacpp_baseline = next(n for n in ("fleet-llamacpp", "fleet-vllm", "fleet-mlx") if n in names)
+    # fleet-split alone is measured against llama.cpp through CROSS_RATIOS
+    llamacpp_baseline = next((n for n in ("fleet-llamacpp", "fleet-vllm", "fleet-mlx") if n in names), "")
     sides: list[Side] = []
     for name in names:
         peer = launched.get(name)
@@ -208,6 +231,18 @@ def build_sides(
     return sides, model_dir
 
 
+def fleet_vs_peer(ours: list, theirs: list, vs: str) -> dict:
+    """Fleet / peer of each back-to-back round pair: the median and the range over the pairs (`vs`:
+    the side the entry is shown against)."""
+    entry: dict = {"vs": vs}
+    for key, metric in (("aggregate_tps", "aggregate_tps"), ("ttft_s", "ttft_s"),
+                        ("decode_tps_per_stream", "decode_tps")):  # fmt: skip
+        pairs = pair_ratios(ours, theirs, metric)
+        entry[key] = statistics.median(pairs) if pairs else math.nan
+        entry[f"{key}_range"] = [min(pairs), max(pairs)] if pairs else []
+    return entry
+
+
 async def run_all(sides: list[Side], workloads: list[Workload], repeats: int, count) -> dict:
     for side in sides:  # first-request costs (compilation, warm caches) are not serving speed
         await side.measure([chat_prompt(8, 0, count)], 4)
@@ -225,26 +260,14 @@ async def run_all(sides: list[Side], workloads: list[Workload], repeats: int, co
                 done = f"round {repeat + 1}/{repeats}: {measured.wall_s:.1f} s"
                 print(f"  {workload.label:>12} {side.name:14} {done}", flush=True)
         summaries = {name: summarize(r) for name, r in rounds.items()}
-        ratios = {}
-        for side in active:
-            if side.baseline in rounds:
-                ours, theirs = rounds[side.baseline], rounds[side.name]
-                ratios[side.name] = {
-                    "vs": side.baseline,
-                    "aggregate_tps": paired_ratio(ours, theirs, "aggregate_tps"),
-                    "ttft_s": paired_ratio(ours, theirs, "ttft_s"),
-                    "decode_tps_per_stream": summaries[side.baseline]["decode_tps_per_stream_p50"]
-                    / summaries[side.name]["decode_tps_per_stream_p50"],
-                }
+        ratios = {
+            side.name: fleet_vs_peer(rounds[side.baseline], rounds[side.name], side.baseline)
+            for side in active
+            if side.baseline in rounds
+        }
         for name, peers in CROSS_RATIOS.items():
             for peer in (p for p in peers if name in rounds and p in rounds):
-                ratios[f"{name}/{peer}"] = {
-                    "vs": peer,
-                    "aggregate_tps": paired_ratio(rounds[name], rounds[peer], "aggregate_tps"),
-                    "ttft_s": paired_ratio(rounds[name], rounds[peer], "ttft_s"),
-                    "decode_tps_per_stream": summaries[name]["decode_tps_per_stream_p50"]
-                    / summaries[peer]["decode_tps_per_stream_p50"],
-                }
+                ratios[f"{name}/{peer}"] = fleet_vs_peer(rounds[name], rounds[peer], peer)
         skipped = [s.name for s in sides if s not in active]
         results[workload.label] = {"workload": vars(workload), "sides": summaries, "ratios": ratios,
                                    "skipped": skipped}  # fmt: skip
@@ -252,15 +275,23 @@ async def run_all(sides: list[Side], workloads: list[Workload], repeats: int, co
 
 
 def ratio_text(ratio: dict | None) -> str:
+    """ "vs PEER: TTFT 1.05 [0.98-1.12], ...": the median of the round pairs and their range."""
     if not ratio:
         return ""
-    ttft, decode = number(ratio["ttft_s"], 2), number(ratio["decode_tps_per_stream"], 2)
-    return f"vs {ratio['vs']}: TTFT {ttft}, tok/s/stream {decode}, agg {number(ratio['aggregate_tps'], 2)}"
+
+    def cell(key: str) -> str:
+        spread = ratio.get(f"{key}_range") or []
+        bounds = f" [{number(spread[0], 2)}-{number(spread[1], 2)}]" if spread else ""
+        return number(ratio[key], 2) + bounds
+
+    decode, aggregate = cell("decode_tps_per_stream"), cell("aggregate_tps")
+    return f"vs {ratio['vs']}: TTFT {cell('ttft_s')}, tok/s/stream {decode}, agg {aggregate}"
 
 
 def report(result: dict) -> None:
     print(f"\n{result['model']}: p50 of {result['repeats']} alternating rounds; ratio = Fleet / peer")
-    columns = ("TTFT ms", 9), ("tok/s/stream", 13), ("agg tok/s", 10), ("peak MiB", 9)
+    # peak MiB: every process of the side; engines: of those, a Fleet worker's engine processes
+    columns = ("TTFT ms", 9), ("tok/s/stream", 13), ("agg tok/s", 10), ("peak MiB", 9), ("engines", 8)
     print(f"{'workload':>12} {'side':15} " + " ".join(f"{c:>{w}}" for c, w in columns) + "  ratios")
     for label, entry in result["workloads"].items():
         for name, s in entry["sides"].items():
@@ -269,13 +300,14 @@ def report(result: dict) -> None:
                 number(s["decode_tps_per_stream_p50"]),
                 number(s["aggregate_tps_p50"]),
                 number(s["peak_rss_bytes"], 0, 2**-20),
+                number(s["peak_children_rss_bytes"], 0, 2**-20) if name.startswith("fleet-") else "",
             )
             errors = f" ({s['errors']} errors)" if s["errors"] else ""
             row = " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, columns, strict=True))
             print(f"{label:>12} {name:15} {row}  {ratio_text(entry['ratios'].get(name))}{errors}")
         for key, ratio in entry["ratios"].items():
             if "/" in key:  # a Fleet side against another peer than its baseline
-                print(f"{label:>12} {key.split('/')[0]:15} {'':44}  {ratio_text(ratio)}")
+                print(f"{label:>12} {key.split('/')[0]:15} {'':53}  {ratio_text(ratio)}")
         if entry["skipped"]:
             print(f"{label:>12} skipped: {', '.join(entry['skipped'])} (prompt over --mlx-max-prompt)")
     for name, reason in result["unavailable"].items():

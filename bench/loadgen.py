@@ -144,6 +144,7 @@ class RoundResult:
     streams: list[StreamResult]
     wall_s: float
     peak_rss_bytes: int = 0
+    peak_children_rss_bytes: int = 0  # the part of it in the measured processes' children (engines)
 
     @property
     def aggregate_tps(self) -> float:
@@ -187,6 +188,7 @@ def summarize(rounds: Sequence[RoundResult]) -> dict:
         "aggregate_tps_p50": percentile(aggregates, 50),
         "prompt_tps_p50": percentile(prompt_rates, 50),
         "peak_rss_bytes": max((r.peak_rss_bytes for r in rounds), default=0),
+        "peak_children_rss_bytes": max((r.peak_children_rss_bytes for r in rounds), default=0),
         "rounds": len(rounds),
     }
 
@@ -290,40 +292,49 @@ async def http_round(
 
 @dataclass
 class MemorySampler:
-    """Peak resident memory of some processes and all their children, sampled in a thread."""
+    """Peak resident memory of some processes and all their children, sampled in a thread; apart, the
+    peak of the children alone (a Fleet worker's engine processes, a server's helpers)."""
 
     pids: Sequence[int]
     with_children: bool = True
     interval_s: float = 0.2
     peak_bytes: int = 0
+    peak_children_bytes: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
 
-    def sample(self) -> int:
+    def sample(self) -> tuple[int, int]:
+        """(resident bytes of the processes and their children, of the children alone)."""
         import psutil
 
-        total = 0
+        own = children_total = 0
         for pid in self.pids:
             try:
                 process = psutil.Process(pid)
-                children = process.children(recursive=True) if self.with_children else []
-                for p in [process, *children]:
-                    total += p.memory_info().rss
+                own += process.memory_info().rss
+                for child in process.children(recursive=True) if self.with_children else []:
+                    children_total += child.memory_info().rss
             except psutil.Error:
                 continue
-        return total
+        return own + children_total, children_total
+
+    def _update(self) -> None:
+        total, children = self.sample()
+        self.peak_bytes = max(self.peak_bytes, total)
+        self.peak_children_bytes = max(self.peak_children_bytes, children)
 
     def __enter__(self) -> MemorySampler:
         self._stop.clear()
-        self.peak_bytes = self.sample()
+        self.peak_bytes = self.peak_children_bytes = 0
+        self._update()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak_bytes = max(self.peak_bytes, self.sample())
+            self._update()
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_bytes = max(self.peak_bytes, self.sample())
+        self._update()

@@ -45,6 +45,7 @@ class Side:
         with MemorySampler(self.pids, self.with_children) as memory:
             result = await self.run_round(prompts, max_tokens)
         result.peak_rss_bytes = memory.peak_bytes
+        result.peak_children_rss_bytes = memory.peak_children_bytes
         return result
 
 

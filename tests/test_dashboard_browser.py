@@ -1,12 +1,14 @@
 """The dashboard in headless Chromium (Debian's chromium + chromedriver, driven by Selenium) against
 the real embedded stack: the topology shows the worker node, creating an instance from the models
-view makes it ready, a chat message streams an answer, the metrics plot has points (node memory, and
-the chat's time to first token), the traces view draws the chat request's timeline. A screenshot
-of each view is saved under test-artifacts/dashboard/."""
+view makes it ready and shows the engine's measured speed and quality, a chat message streams an
+answer, the metrics plot has points (node memory, and the chat's time to first token), the traces
+view draws the chat request's timeline. A screenshot of each view is saved under
+test-artifacts/dashboard/."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,10 @@ WAIT_S = 120
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
     """A stack with the model staged but no instance of it (the models view creates one)."""
     model_dir = make_chat_model(tmp_path_factory.mktemp("dashboard-model"))
-    with embedded_stack(tmp_path_factory.mktemp("fleet-dashboard")) as manifest:
+    # every engine of the node measured, quality included: MLX alone, so that only its measurement
+    # runs beside the tests (tests elsewhere time only the engine they load)
+    env = {**os.environ, "FLEET_CALIBRATION": "all", "FLEET_NODE_ENGINES": "mlx=dashboard"}
+    with embedded_stack(tmp_path_factory.mktemp("fleet-dashboard"), env=env) as manifest:
         asyncio.run(stage(manifest.gateway_url, model_dir))
         yield manifest
 
@@ -82,7 +87,7 @@ def test_the_topology_shows_the_worker_node(gateway, browser) -> None:
     node = wait(browser, lambda b: css(b, ".node[data-node-id]"))[0]
     assert node.get_attribute("data-node-id") and node.get_attribute("data-node-id") in node.text
     assert css(browser, ".node .memory-bar")
-    assert "mlx" in css(browser, "#engine-list")[0].text  # which engines the cluster offers (vLLM too here)
+    assert "mlx" in css(browser, "#engine-list")[0].text  # which engines the cluster offers
     wait(browser, lambda b: "CPU load" in css(b, ".node")[0].text, 30)  # the node's live metrics sample
     wait(browser, lambda b: "live" in css(b, "#status")[0].text, 30)
     screenshot(browser, "topology")
@@ -96,6 +101,12 @@ def test_an_instance_created_from_the_models_view_becomes_ready(gateway, browser
     card.find_element("css selector", ".create-instance").click()
     ready = f'.model-card[data-model-id="{MODEL}"] .instance[data-status="ready"]'
     wait(browser, lambda b: css(b, ready))  # live: the events stream updates the view
+    # the worker times the engine it loaded at once, then (in the background) measures each engine's
+    # quality against the model's float32 reference: both show in the card
+    rows = f'.model-card[data-model-id="{MODEL}"] .measured'
+    timed = wait(browser, lambda b: css(b, rows))[0]
+    assert "tok/s" in timed.text, timed.text
+    wait(browser, lambda b: [r for r in css(b, rows) if "top-1" in r.text and "tok/s" in r.text], 300)
     screenshot(browser, "models")
     show(browser, "topology")
     wait(browser, lambda b: css(b, f'.node .instance[data-model-id="{MODEL}"][data-status="ready"]'), 30)

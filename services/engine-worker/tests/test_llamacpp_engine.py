@@ -17,7 +17,7 @@ from fleet_downloader.sources import locate, parse_source
 from fleet_proto import SamplingParams
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_worker.engines.base import EngineRequest, KVExport, KVImport, load_engine
-from fleet_worker.engines.llamacpp_engine import LlamaCppEngine, gguf_file
+from fleet_worker.engines.llamacpp_engine import LlamaCppEngine, gguf_file, kv_cells
 
 from .llamacpp_reference import LlamaCppReference
 from .test_mlx_engine import run
@@ -31,6 +31,12 @@ LONGER = "<|im_start|>user\n" + " ".join(f"box {n} holds {n * 5 % 11}." for n in
 # F16, needs no copy); quantized weights are not used here: llama-cpp-python's high-level reference
 # would put them in AMX buffers, which die of SIGILL on this project's VMs (llamacpp_weights).
 DECODE_TYPE = "F32"
+
+
+def test_kv_cells_hold_one_whole_context_within_bounds() -> None:
+    assert kv_cells(8192) == 8192  # SmolLM2: one full-length sequence, the slots share the cells
+    assert kv_cells(256) == 4096  # a tiny model still batches several prompts
+    assert kv_cells(131072) == 32768  # a long-context model does not take its whole context per node
 
 
 @pytest.fixture(scope="module")

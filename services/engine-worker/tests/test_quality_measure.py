@@ -138,7 +138,10 @@ def test_the_served_format_is_the_asked_one_else_the_fastest_within_the_budget()
     assert served_format(spec, {"weight_type": "auto"}, measured, NO_BUDGET) == "Q8_0"
     assert served_format(spec, {"weight_type": "Q8_0"}, measured, DEFAULT_BUDGET) == "Q8_0"
     assert served_format(spec, {}, [], DEFAULT_BUDGET) == ""  # the engine's own choice until measured
-    assert served_format(ENGINES["vllm"], {}, measured, DEFAULT_BUDGET) == ""
+    assert served_format(ENGINES["echo"], {}, measured, DEFAULT_BUDGET) == ""  # no formats to choose
+    assert served_format(ENGINES["vllm"], {}, measured, DEFAULT_BUDGET) == ""  # none of its own measured
+    vllm_measured = [calibrated("float32", 20, 1.0), calibrated("bfloat16", 30, 0.9)]
+    assert served_format(ENGINES["vllm"], {}, vllm_measured, DEFAULT_BUDGET) == "float32"
 
 
 async def test_whole_outputs_join_a_request_s_outputs_and_leave_others() -> None:

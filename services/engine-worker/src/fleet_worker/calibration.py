@@ -183,7 +183,8 @@ def served_format(
     asked = str(options.get(spec.weight_option, "auto"))
     if asked != "auto":
         return asked
-    best = fastest_within(measurements, budget)
+    own = [m for m in measurements if m.weight_format in spec.weight_formats]
+    best = fastest_within(own, budget)
     return best.weight_format if best is not None else ""
 
 

@@ -89,7 +89,10 @@ from fleet_worker.probe import cpu_flags
 
 log = logging.getLogger("fleet_worker.llamacpp")
 
-DEFAULT_N_CTX = 32768
+# KV cells when n_ctx is not asked for: the model's trained context, within these bounds. Memory
+# grows with the cells twice (the KV cache and the attention's compute buffer): SmolLM2-135M F16
+# measured 1062 MiB resident at 32768 cells (KV 720 MiB, compute 646 MiB) and 521 MiB at 8192.
+MIN_N_CTX, MAX_N_CTX = 4096, 32768
 EXPORT_CHUNK_ROWS = 256  # rows per handoff chunk: the decoder verifies and reads them as they come
 PREFILL_APART_MIN_TOKENS = 16  # measured: F16 beats Q8_0 from 16 prompt tokens, not at 8
 # A prefill step on the F16 copy takes up to PREFILL_BATCH tokens (llama-server's n_batch), run by
@@ -177,6 +180,12 @@ class _PrefillContext:
         llama_cpp.llama_model_free(self.model)
 
 
+def kv_cells(context_length: int) -> int:
+    """The KV cells of a context when none are asked for: one sequence of the model's whole context
+    fits, the slots share them (a full cache makes new sequences wait)."""
+    return max(MIN_N_CTX, min(context_length, MAX_N_CTX))
+
+
 def _context_params(
     n_ctx: int, n_batch: int, n_seq_max: int, threads: int, flash_attn: bool, n_ubatch: int = 0
 ):
@@ -227,7 +236,7 @@ class LlamaCppEngine:
         model_dir: Path,
         on_load_progress: LoadProgress | None = None,
         max_batch_size: int = 8,
-        n_ctx: int = DEFAULT_N_CTX,
+        n_ctx: int = 0,
         n_batch: int = 512,
         n_threads: int = 0,
         n_gpu_layers: int = -1,
@@ -238,16 +247,17 @@ class LlamaCppEngine:
         prefill_batch: int = PREFILL_BATCH,
         extra_buffers: str = "auto",
     ) -> None:
-        """n_threads 0: the physical cores; n_gpu_layers -1: every layer on the GPU where the build has one
-        (CPU builds ignore it); weight_type: "auto" (llamacpp_weights: Q4_1 re-encoded to F16 on a CPU until
-        the worker names a measured format), "as-is", or a type to re-encode to. flash_attn is off by default:
-        llama.cpp's CPU flash attention splits the KV range by the whole unified cache, so a sequence's greedy
-        tokens then depend on what else the cache holds (measured: a prompt decoded beside another diverged
-        after 24 tokens; without it the tokens are the same alone, after or beside others), and a handed-over
-        KV would not decode like a cold run. prefill_weight_type: "auto" (llamacpp_weights: F16 on a CPU for
-        quantized weights), "none" (prefill with the decode weights), or a type; prompts of at least
-        prefill_apart_min_tokens go there, prefill_batch tokens a step. extra_buffers: "auto", "on" or "off"
-        (llamacpp_weights.use_extra_buffers)."""
+        """n_ctx 0: kv_cells of the model's trained context. n_threads 0: the physical cores; n_gpu_layers
+        -1: every layer on the GPU where the build has one (CPU builds ignore it); weight_type: "auto"
+        (llamacpp_weights: Q4_1 re-encoded to F16 on a CPU until the worker names a measured format),
+        "as-is", or a type to re-encode to. flash_attn is off by default: llama.cpp's CPU flash attention
+        splits the KV range by the whole unified cache, so a sequence's greedy tokens then depend on what
+        else the cache holds (measured: a prompt decoded beside another diverged after 24 tokens; without
+        it the tokens are the same alone, after or beside others), and a handed-over KV would not decode
+        like a cold run. prefill_weight_type: "auto" (llamacpp_weights: F16 on a CPU for quantized
+        weights), "none" (prefill with the decode weights), or a type; prompts of at least
+        prefill_apart_min_tokens go there, prefill_batch tokens a step. extra_buffers: "auto", "on" or
+        "off" (llamacpp_weights.use_extra_buffers)."""
         if prefill_apart_min_tokens < 1:
             raise ValueError(f"prefill_apart_min_tokens must be at least 1, got {prefill_apart_min_tokens}")
         model_dir = Path(model_dir)
@@ -263,7 +273,8 @@ class LlamaCppEngine:
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {path}")
         layers = llama_cpp.llama_model_n_layer(self._model)
-        self.context_length = int(llama_cpp.llama_model_n_ctx_train(self._model)) or n_ctx
+        self.context_length = int(llama_cpp.llama_model_n_ctx_train(self._model)) or MAX_N_CTX
+        n_ctx = n_ctx or kv_cells(self.context_length)
         context_params = _context_params(n_ctx, n_batch, max_batch_size, threads, flash_attn)
         self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
         if not self._ctx:

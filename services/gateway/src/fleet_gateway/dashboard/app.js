@@ -353,6 +353,28 @@ function placementRow(option) {
     typeof option.score === "number" ? el("span", { className: "muted" }, `score ${option.score.toFixed(2)}`) : null);
 }
 
+// The engines and weight formats each node measured on a model: speed, and quality against the
+// float32 reference with the node's budget verdict (the rule of fleet_proto.quality.within_budget).
+function measuredRow(node, c) {
+  const q = c.quality;
+  const budget = node.quality_budget || {};
+  const inside = !q || (q.top1_agreement >= budget.min_top1_agreement && q.mean_kl <= budget.max_mean_kl);
+  const verdict = !q ? "quality not measured" : inside ? "within the quality budget" : "outside the quality budget";
+  return el("li", { className: `measured ${inside ? "feasible" : "infeasible"}`, "data-engine": c.engine, "data-within": String(inside) },
+    el("strong", {}, c.weight_format ? `${c.engine} / ${c.weight_format}` : c.engine),
+    el("span", {}, node.node_id),
+    el("span", {}, `prefill ${c.prefill_tokens_per_s.toFixed(0)} tok/s, decode ${c.decode_tokens_per_s.toFixed(1)} tok/s`),
+    q ? el("span", {}, `top-1 ${q.top1_agreement.toFixed(3)}, KL ${q.mean_kl.toFixed(4)}, greedy ${q.greedy_agreement.toFixed(2)}`) : null,
+    c.peak_memory_bytes ? el("span", {}, `peak ${gib(c.peak_memory_bytes)}`) : null,
+    el("span", { className: "placement-verdict" }, verdict));
+}
+
+function measuredBlock(modelId) {
+  const rows = Object.values(state.data.nodes).flatMap((node) =>
+    (node.calibrations || []).filter((c) => c.model_id === modelId).map((c) => measuredRow(node, c)));
+  return rows.length ? el("ul", { className: "placements", "aria-label": "measured engines" }, rows) : null;
+}
+
 function placementsBlock(ui) {
   if (ui.placementError) return el("p", { className: "model-error placement-error", role: "alert" }, ui.placementError);
   if (!ui.placements) return null;
@@ -379,6 +401,7 @@ function fillModelCard(card, model, instances, download) {
     facts([["Architecture", model.architecture], ["Type", quant || null], ["Size", gib(model.storage_bytes)],
       ["Layers", model.num_layers], ["Engines", (model.supported_engines || []).join(", ") || null]]),
     download ? downloadBlock(download) : null,
+    measuredBlock(model.model_id),
     instances.length ? el("ul", { className: "instances" }, instances.map((i) => instanceItem(i, true))) : null,
   ].filter(Boolean));
   card.querySelector(".model-extra").replaceChildren(...[
