@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import REPO, discard, scratch_dir, serve_on, stage, two_workers, write_result
@@ -84,6 +87,19 @@ def missing_reason(name: str, tiny: bool) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def stderr_to(file: IO[str]) -> Iterator[None]:
+    """Point this process's stderr (file descriptor 2, which C libraries write to) at `file`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def llamacpp_peer_gguf(scratch: Path) -> Path:
     """The GGUF llama.cpp's server loads: the original, or an F16 copy in `scratch` where llama.cpp
     would put the quantized weights in AMX buffers (the server has no option to keep them out)."""
@@ -96,7 +112,8 @@ def llamacpp_peer_gguf(scratch: Path) -> Path:
     link = scratch / original.name
     if not link.exists():
         link.symlink_to(original)
-    copy = served_gguf(link, "F16")
+    with (scratch / "llama.cpp-quantize.log").open("w") as log, stderr_to(log):  # llama.cpp's own lines
+        copy = served_gguf(link, "F16")
     print(f"llama.cpp server: {copy.name} (this CPU reports AMX: the Q4_1 file would SIGILL)")
     return copy
 

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from fleet_downloader.convert import ConversionError
 from fleet_downloader.sources import SourceError
 from fleet_downloader.staging import stage_model
 from fleet_proto import DownloadPhase
@@ -70,6 +71,17 @@ def test_a_bad_source_raises_and_stages_nothing(store, tmp_path, source, error, 
     with pytest.raises(error, match=message):
         stage_model(store, model_id, source, work_dir=tmp_path)
     assert store.list_keys(MODELS_BUCKET, f"{model_id}/") == []
+
+
+def test_a_gguf_that_does_not_convert_says_why_and_stages_nothing(store, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\x00" * 60)  # the magic, then nothing a reader can parse
+    model_id = unique_model_id()
+    # the conversion runs in a child process: its error comes back as the downloader's own
+    with pytest.raises(ConversionError, match=r"converting .*broken\.gguf failed: .+"):
+        stage_model(store, model_id, f"gguf://{broken}", work_dir=tmp_path / "work")
+    assert store.list_keys(MODELS_BUCKET, f"{model_id}/") == []
+    assert not any((tmp_path / "work").rglob("*.building"))  # no half-built folder left behind
 
 
 def test_an_invalid_model_id_is_rejected_before_any_work(store, tiny_folder, tmp_path):

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from fleet_downloader.convert import CONVERTER_VERSION, gguf_to_hf_folder
+from fleet_downloader.convert import CONVERTER_VERSION, convert_in_child
 from fleet_downloader.hub import download_repo, hub_folder
 from fleet_downloader.progress import StageProgress
 from fleet_downloader.sources import GgufFileSource, HubSource, LocalFolderSource, locate, parse_source
@@ -77,7 +77,7 @@ def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _i
                 log.info("using %s, converted earlier from %s", out_dir, path)
             else:
                 log.info("converting %s to %s", path, out_dir)
-                gguf_to_hf_folder(path, out_dir)
+                convert_in_child(path, out_dir)
             progress(DownloadPhase.CONVERTING, size, size)
             keep_gguf(path, out_dir)
             return out_dir
