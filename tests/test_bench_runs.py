@@ -1,6 +1,6 @@
-"""`fleet bench serve`, `compare` and `control-plane` run for real on a tiny random model (small
-counts) and write results that say what was measured; the suite's report reads them. Speed itself
-is not asserted: that is what the benchmarks are for."""
+"""`fleet bench serve`, `compare`, `control-plane` and `grammar-mask` run for real on a tiny random
+model (small counts) and write results that say what was measured; the suite's report reads them.
+Speed itself is not asserted: that is what the benchmarks are for."""
 
 from __future__ import annotations
 
@@ -82,3 +82,18 @@ def test_control_plane_measures_routing_nats_and_the_gateway_on_the_echo_engine(
     assert positive(gateway["chat_1_token_ms_p50"]) and positive(gateway["requests_per_s_16_in_flight"])
     assert positive(gateway["stream_tokens_per_s_8_streams"])
     assert report.other_lines({"control_plane": result})[0].startswith("- **Control plane**")
+
+
+def test_grammar_mask_walks_a_document_with_both_libraries(tmp_path: Path) -> None:
+    from tests.support import make_chat_model
+
+    result = bench(
+        "grammar-mask", tmp_path / "out", "--tokenizer", str(make_chat_model(tmp_path)), "--repeats", "2"
+    )
+    assert result["document_tokens"] > 10
+    assert set(result["libraries"]) == {"xgrammar", "llguidance"}
+    for side in result["libraries"].values():
+        assert set(side["grammars"]) == {"json_schema", "json_object"}
+        for grammar in side["grammars"].values():  # every token of the valid document was accepted
+            assert positive(grammar["compile_ms"]) and positive(grammar["mask"]["p50_us"])
+    assert positive(result["apply_mask"]["numpy_us"])
