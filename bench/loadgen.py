@@ -209,13 +209,6 @@ def pair_ratios(ours: Sequence[RoundResult], theirs: Sequence[RoundResult], metr
     return [value(a) / value(b) for a, b in zip(ours, theirs, strict=False) if value(b) > 0]
 
 
-def paired_ratio(ours: Sequence[RoundResult], theirs: Sequence[RoundResult], metric: str) -> float:
-    """Median over alternating round pairs of ours / theirs (`pair_ratios`); pairs ran back to
-    back, so machine noise hits both."""
-    ratios = pair_ratios(ours, theirs, metric)
-    return statistics.median(ratios) if ratios else math.nan
-
-
 async def stream_chat(
     session: aiohttp.ClientSession,
     url: str,

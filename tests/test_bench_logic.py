@@ -10,6 +10,7 @@ import pytest
 from tests.support import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
+import compare
 import loadgen
 import report
 import serve
@@ -93,8 +94,11 @@ def test_summaries_report_latency_rates_and_count_errors_apart() -> None:
 def test_paired_ratios_compare_rounds_that_ran_back_to_back() -> None:
     ours = [round_of(StreamResult(first_s=1.0, last_s=2.0, tokens=10), wall_s=2.0)] * 3
     theirs = [round_of(StreamResult(first_s=2.0, last_s=4.0, tokens=10), wall_s=w) for w in (4.0, 8.0, 4.0)]
-    assert loadgen.paired_ratio(ours, theirs, "aggregate_tps") == pytest.approx(2.0)
-    assert loadgen.paired_ratio(ours, theirs, "ttft_s") == pytest.approx(0.5)
+    ratio = compare.fleet_vs_peer(ours, theirs, "peer")  # the median of the pairs, and their range
+    assert ratio["aggregate_tps"] == pytest.approx(2.0)
+    assert ratio["aggregate_tps_range"] == pytest.approx([2.0, 4.0])
+    assert ratio["ttft_s"] == pytest.approx(0.5)
+    assert ratio["vs"] == "peer"
 
 
 def test_pairs_are_ratios_of_back_to_back_rounds_with_their_quartiles() -> None:

@@ -1,6 +1,10 @@
 """llama.cpp engine on llama-cpp-python's C API (ctypes): a GGUF served as it is, token ids in and
 out, continuous batching across sequences in one llama_context.
 
+Why one file past ~450 lines: the slot allocator, the step's batch, prefill apart and the handoff's
+state import/export all read and write the same context and slots; issue 40 splits them by job
+(contexts and ctypes helpers, slots, the forward pass, handoff) behind one owner of that state.
+
 The context holds `max_batch_size` sequences (slots, llama.cpp's seq ids) over one unified KV
 buffer of `n_ctx` cells, so short and long sequences share it. Each step builds one llama_batch as
 llama-server does: one token for every decoding sequence first, then prompt tokens of admitted
