@@ -80,6 +80,7 @@ class TokenTap:
     def __init__(self, nats_url: str) -> None:
         self.nats_url = nats_url
         self.chunks: dict[str, list[TokenChunk]] = {}
+        self.ended_at: dict[str, float] = {}  # wall time the tap saw each request's last chunk
 
     async def __aenter__(self) -> TokenTap:
         self.bus = await Bus.connect(self.nats_url, "token-tap")
@@ -87,6 +88,8 @@ class TokenTap:
         async def record(msg) -> None:
             chunk = msgspec.json.decode(msg.data, type=TokenChunk)
             self.chunks.setdefault(chunk.request_id, []).append(chunk)
+            if chunk.finish_reason:
+                self.ended_at[chunk.request_id] = time.time()
 
         self.sub = await self.bus.nc.subscribe("fleet.tok.>", cb=record)
         await self.bus.nc.flush()

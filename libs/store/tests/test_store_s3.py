@@ -189,6 +189,22 @@ def test_list_and_delete_prefix(store: ObjectStore, bucket: str) -> None:
         store.delete_prefix(bucket, "")
 
 
+def test_a_server_takes_more_buckets_than_free_disk_would_size_it_for(tmp_path: Path) -> None:
+    # weed mini's default volume count is free disk / volume size: with 31 GiB free the 31st bucket
+    # (each is a collection with volumes of its own) failed with 500 "no free volumes" (a CI run).
+    handle = start_s3(tmp_path / "s3")
+    store = ObjectStore(handle.url)
+    try:
+        for index in range(40):
+            name = f"many-{index}-{uuid.uuid4().hex[:8]}"
+            store.ensure_bucket(name)
+            store.put_bytes(name, "k", b"x")
+            assert store.get_bytes(name, "k") == b"x"
+    finally:
+        store.close()
+        handle.stop()
+
+
 def test_unreachable_endpoint_fails_fast_and_clearly() -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     store = ObjectStore(endpoint)

@@ -29,6 +29,10 @@ from fleet_local.processes import (
 )
 
 WEED_MEMORY_LIMIT = "256MiB"  # GOMEMLIMIT for weed mini (start_s3 says why)
+# Every bucket is a SeaweedFS collection with volumes of its own. weed mini's default volume count is
+# free disk / volume size (31 GiB free -> 30 volumes), so the 31st bucket got "no free volumes" (500).
+# Volumes are not preallocated: a high count costs open files, not disk.
+WEED_MAX_VOLUMES = 1000
 
 
 class ServerHandle(msgspec.Struct, kw_only=True):
@@ -150,6 +154,7 @@ def start_s3(root: Path, access_key: str = "", secret_key: str = "", timeout_s: 
         find_binary("weed"), f"-logdir={logs / 'weed'}", "mini",
         f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
         "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-volume.max={WEED_MAX_VOLUMES}",
         f"-filer.localSocket={root / 'weed-filer.sock'}", f"-s3.localSocket={root / 'weed-s3.sock'}",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]  # fmt: skip
