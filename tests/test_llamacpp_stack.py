@@ -11,13 +11,19 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
+import jsonschema
 import llama_cpp
+import ollama
+import openai
 import pytest
+from tokenizers import Tokenizer
 
 from fleet_downloader.defaults import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE
 from fleet_downloader.sources import locate, parse_source
@@ -69,6 +75,10 @@ async def serve(gateway: str) -> None:
             body = {"model": DEFAULT_MODEL_ID, "engine": "llamacpp", "shards": shards, "role": role}
             instance_id = (await call(session, "POST", f"{gateway}/instances", body))["instance_id"]
             await until_ready(session, gateway, instance_id)
+
+
+def served_folder(manifest: stack.StackManifest) -> Path:
+    return Path(manifest.state_dir) / "models" / DEFAULT_MODEL_ID / "main"
 
 
 def direct_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
@@ -159,6 +169,141 @@ def test_kv_prefilled_on_another_worker_decodes_like_a_colocated_run(cluster: st
     assert tokens == colocated and len(tokens) > 3
 
 
+# ---- structured outputs and the sampling API (issue 39), through the official clients
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "capital": {"type": "boolean"},
+        "rivers": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["city", "capital", "rivers"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "city", "schema": SCHEMA, "strict": True},
+}
+ASK_JSON = [
+    {"role": "user", "content": "Describe Paris as JSON: its name, whether it is a capital, its rivers."}
+]
+
+
+def test_fifty_samples_under_a_json_schema_all_validate_through_openai_and_ollama(
+    cluster: stack.StackManifest,
+) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused")
+    ollama_client = ollama.Client(host=cluster.gateway_url)
+
+    def openai_choices(seed: int) -> list[str]:
+        reply = client.chat.completions.create(
+            model=DEFAULT_MODEL_ID, messages=ASK_JSON, temperature=1.0, seed=seed, n=8, max_tokens=80,
+            response_format=JSON_SCHEMA_FORMAT,
+        )  # fmt: skip
+        assert {c.finish_reason for c in reply.choices} == {"stop"}, reply
+        return [c.message.content for c in reply.choices]
+
+    def ollama_text(seed: int) -> str:
+        options = {"temperature": 1.0, "seed": seed, "num_predict": 80}
+        return ollama_client.chat(
+            model=DEFAULT_MODEL_ID, messages=ASK_JSON, format=SCHEMA, options=options
+        ).message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = [t for choices in pool.map(openai_choices, range(3)) for t in choices]
+        texts += list(pool.map(ollama_text, range(100, 126)))
+    assert len(texts) == 50
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 5  # temperature 1: samples, not one answer
+
+
+def test_every_client_way_of_asking_for_json(cluster: stack.StackManifest) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused")
+    common = {"model": DEFAULT_MODEL_ID, "max_tokens": 60, "temperature": 0.7, "seed": 1}
+    reply = client.chat.completions.create(
+        messages=ASK_JSON, response_format={"type": "json_object"}, **common
+    )
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    choice = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Is Paris in France?"}],
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}}, **common,
+    )  # fmt: skip
+    assert choice.choices[0].message.content in ("yes", "no")
+    text = client.completions.create(
+        prompt="Paris postcode: ", extra_body={"guided_regex": "75[0-9]{3}"}, **common
+    )
+    assert re.fullmatch("75[0-9]{3}", text.choices[0].text)
+    response = client.responses.create(
+        model=DEFAULT_MODEL_ID, input=ASK_JSON[0]["content"], max_output_tokens=80, temperature=0.7,
+        text={"format": {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    generated = ollama.Client(host=cluster.gateway_url).generate(
+        model=DEFAULT_MODEL_ID,
+        prompt="Give a JSON object about Paris.",
+        format="json",
+        options={"num_predict": 60},
+    )
+    assert isinstance(json.loads(generated.response), dict)
+    cut = client.chat.completions.create(
+        messages=ASK_JSON, response_format=JSON_SCHEMA_FORMAT, **common | {"max_tokens": 4}
+    )
+    assert cut.choices[0].finish_reason == "length"  # cut inside the object, as OpenAI ends it
+
+
+def test_n_seeds_penalties_and_logit_bias(cluster: stack.StackManifest) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused")
+    ask = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "Tell me a short story."}]}
+    three = client.chat.completions.create(**ask, n=3, seed=11, temperature=1.0, max_tokens=20)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    cut = sum(20 for c in three.choices if c.finish_reason == "length")
+    assert cut <= three.usage.completion_tokens <= 60  # summed over the choices, as OpenAI counts
+    single = client.chat.completions.create(**ask, temperature=0, max_tokens=2)
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    again = client.chat.completions.create(**ask, n=3, seed=11, temperature=1.0, max_tokens=20)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in three.choices]
+    assert len({c.message.content for c in three.choices}) > 1
+
+    repeat = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Say cat cat cat cat cat cat cat cat."}],
+    }
+    plain = client.chat.completions.create(**repeat, temperature=0, max_tokens=24).choices[0].message.content
+    penalised = (
+        client.chat.completions.create(
+            **repeat, temperature=0, max_tokens=24, frequency_penalty=2.0, presence_penalty=1.0
+        )
+        .choices[0]
+        .message.content
+    )
+    assert penalised.lower().count("cat") < plain.lower().count("cat"), (plain, penalised)
+
+    tokenizer = Tokenizer.from_file(str(served_folder(cluster) / "tokenizer.json"))
+    token = tokenizer.token_to_id("Paris")
+    biased = client.chat.completions.create(**ask, temperature=0, max_tokens=3, logit_bias={str(token): 100})
+    assert biased.choices[0].message.content == "Paris" * 3
+
+
+def test_bad_structured_asks_are_400s_naming_the_field(cluster: stack.StackManifest) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused", max_retries=0)
+    common = {"model": DEFAULT_MODEL_ID, "messages": ASK_JSON, "max_tokens": 8}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**common, response_format=bad_schema)
+    assert "response_format" in str(refused.value.body)
+    # Python's re takes a lookahead, the grammar library does not: the engine refuses it, a 400 too
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                **common, stream=stream, extra_body={"structured_outputs": {"regex": "(?=a)b"}}
+            )
+        assert "structured_outputs" in str(refused.value.body)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**common, n=99)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_a_vllm_prefill_sends_the_first_token_and_llama_cpp_decodes_on_from_it(
     cluster: stack.StackManifest,
@@ -192,3 +337,23 @@ def test_a_vllm_prefill_sends_the_first_token_and_llama_cpp_decodes_on_from_it(
     tokens = [t for c in chunks for t in c.token_ids]
     assert [c.index for c in chunks] == list(range(len(chunks))) and len(chunks) > 2
     assert len(tokens) == stats["generation_tokens"] == chunks[-1].completion_tokens
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_a_vllm_prefill_samples_the_first_token_under_the_schema_too(cluster: stack.StackManifest) -> None:
+    """After the test above: w2's prefill partner is vLLM, which samples the first token."""
+    body = {"model": DEFAULT_MODEL_ID, "messages": ASK_JSON, "max_tokens": 80, "temperature": 1.0}
+    body |= {"disaggregated": True, "transport": "stream", "response_format": JSON_SCHEMA_FORMAT}
+
+    async def samples() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            return [
+                await call(
+                    session, "POST", f"{cluster.gateway_url}/bench/chat/completions", body | {"seed": seed}
+                )
+                for seed in range(5)
+            ]
+
+    for reply in asyncio.run(samples()):
+        assert reply["generation_stats"]["handoff"]["first_token"], reply["generation_stats"]
+        jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)

@@ -6,25 +6,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleet_proto import SamplingParams
+from fleet_proto import SamplingParams, StructuredOutput
 from fleet_store import ManifestFile, ModelManifest
 from fleet_store.kv import manifest_fingerprint, model_fingerprint
 from fleet_worker.engines.vllm_paged import ProbedPositions, SplitLastDim
-from fleet_worker.engines.vllm_sampling import emitted_tokens, vllm_sampling_kwargs
+from fleet_worker.engines.vllm_sampling import emitted_tokens, structured_outputs_fields, vllm_sampling_kwargs
 from fleet_worker.instances import EngineOptionsError, KVSettings, engine_options, parse_engine_options
 
 
 def test_sampling_maps_like_the_seed() -> None:
     params = SamplingParams(
         max_tokens=50, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=3,
-        stop_token_ids=(7,), logprobs=2,
+        stop_token_ids=(7,), logprobs=2, presence_penalty=0.5, frequency_penalty=-0.5,
+        logit_bias=((4, 1.5),), min_tokens=3,
     )  # fmt: skip
     kwargs = vllm_sampling_kwargs(params, prompt_tokens=10, max_model_len=100, eos_token_ids=[2, 9])
     assert kwargs == {
         "max_tokens": 50, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
-        "repetition_penalty": 1.1, "seed": 3, "stop_token_ids": [2, 7, 9], "logprobs": 2,
+        "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "logit_bias": {4: 1.5}, "min_tokens": 3, "seed": 3, "stop_token_ids": [2, 7, 9], "logprobs": 2,
         "detokenize": False, "skip_special_tokens": False, "ignore_eos": False,
     }  # fmt: skip
+
+
+def test_a_structured_output_reaches_vllm_as_the_grammar_fleet_compiles() -> None:
+    fields = structured_outputs_fields(StructuredOutput(choice=("a", "b")))
+    assert fields == {"grammar": 'root ::= "a" | "b"'}
+    schema = structured_outputs_fields(StructuredOutput(json_schema='{"type": "object"}'))
+    assert list(schema) == ["grammar"] and "root ::=" in schema["grammar"]
+    assert structured_outputs_fields(StructuredOutput(structural_tag="{}")) == {"structural_tag": "{}"}
 
 
 def test_ignore_eos_keeps_only_the_asked_stop_tokens() -> None:

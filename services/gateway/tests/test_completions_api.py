@@ -12,6 +12,8 @@ from fleet_gateway.completions_api import (
     text_completion_response,
 )
 from fleet_gateway.errors import ApiError
+from fleet_gateway.frames import Finished
+from fleet_gateway.parsing.output import Delta
 
 
 def body(**fields) -> bytes:
@@ -34,7 +36,7 @@ def test_a_string_or_token_ids_parse_with_openais_default_length() -> None:
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 2}, "best_of"),
         ({"logprobs": 6}, "logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"temperature": -1}, "temperature"),
         ({"model": " "}, "model"),
     ],
@@ -46,6 +48,11 @@ def test_unsupported_or_invalid_fields_are_400(fields: dict, param: str) -> None
 
 
 def test_the_response_is_a_text_completion() -> None:
-    reply = text_completion_response("cmpl-1", "m", 0, "text", "length", (3, 2))
+    reply = text_completion_response("cmpl-1", "m", 0, [(Delta(content="text"), Finished("length", 3, 2))])
     assert reply["object"] == "text_completion" and reply["choices"][0]["text"] == "text"
-    assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert reply["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }

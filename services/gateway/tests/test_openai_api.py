@@ -16,6 +16,7 @@ from fleet_gateway.frames import sse_data
 from fleet_gateway.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
+    chat_choice,
     chunk,
     completion_response,
     first_chunk,
@@ -25,8 +26,10 @@ from fleet_gateway.openai_api import (
     parse_chat_request,
     sampling_ask,
     stop_strings,
+    usage,
     usage_chunk,
 )
+from fleet_gateway.parsing.output import Delta
 from fleet_gateway.sampling import engine_finish_reason, to_sampling
 from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
@@ -137,9 +140,9 @@ def test_all_known_fields_parse() -> None:
         (_body(max_tokens=0), "max_tokens"),
         (_body(max_tokens=1.5), "max_tokens"),
         (_body(max_completion_tokens=-1), "max_completion_tokens"),
-        (_body(n=2), "n"),
-        (_body(presence_penalty=0.5), "presence_penalty"),
-        (_body(frequency_penalty=-1), "frequency_penalty"),
+        (_body(n=0), "n"),
+        (_body(presence_penalty=2.5), "presence_penalty"),
+        (_body(frequency_penalty=-2.01), "frequency_penalty"),
         (_body(stop=["a", "b", "c", "d", "e"]), "stop"),
         (_body(stop=5), "stop"),
         (_body(stream="yes"), "stream"),
@@ -173,8 +176,8 @@ def test_missing_field_message_names_it() -> None:
     )
 
 
-def test_unsupported_penalty_says_so() -> None:
-    assert "not supported" in _error(_body(presence_penalty=1)).message
+def test_a_penalty_out_of_range_says_the_range() -> None:
+    assert "[-2, 2]" in _error(_body(presence_penalty=3)).message
 
 
 def test_messages_for_template_joins_parts_and_maps_developer() -> None:
@@ -267,7 +270,8 @@ def test_prompt_filling_the_context_is_400() -> None:
 
 
 def test_completion_response_shape() -> None:
-    body = completion_response("chatcmpl-1", "smollm2", 1700000000, "Hello!", "stop", 12, 3)
+    choices = [chat_choice(0, Delta(content="Hello!"), "stop")]
+    body = completion_response("chatcmpl-1", "smollm2", 1700000000, choices, usage(12, 3))
     assert body == {
         "id": "chatcmpl-1",
         "object": "chat.completion",
@@ -281,7 +285,12 @@ def test_completion_response_shape() -> None:
                 "finish_reason": "stop",
             }
         ],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
+        "usage": {
+            "prompt_tokens": 12,
+            "completion_tokens": 3,
+            "total_tokens": 15,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
         "system_fingerprint": None,
     }
 
@@ -299,14 +308,14 @@ def test_chunk_shapes() -> None:
     last = chunk("c", "m", 5, {}, "length")
     assert (last["id"], last["model"], last["created"]) == ("c", "m", 5)
     assert last["choices"][0]["finish_reason"] == "length"
-    assert usage_chunk("c", "m", 5, 4, 6) == {
+    assert usage_chunk("c", "m", 5, usage(4, 6)) == {
         "id": "c",
         "object": "chat.completion.chunk",
         "created": 5,
         "model": "m",
         "system_fingerprint": None,
         "choices": [],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10},
+        "usage": usage(4, 6),
     }
 
 
@@ -353,7 +362,7 @@ def test_a_streamed_request_end_to_end_without_a_worker(tok: ChatTokenizer) -> N
             finish = "stop"
             break
     frames.append(sse_data(chunk("c", req.model, 1, {}, finish, include_usage=True)))
-    frames.append(sse_data(usage_chunk("c", req.model, 1, len(prompt), len(generated))))
+    frames.append(sse_data(usage_chunk("c", req.model, 1, usage(len(prompt), len(generated)))))
     frames.append(SSE_DONE)
 
     datas = [frame[len(b"data: ") : -2] for frame in frames[:-1]]

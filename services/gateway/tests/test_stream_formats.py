@@ -32,7 +32,7 @@ from fleet_gateway.anthropic_api import MessageEvents, message_body
 from fleet_gateway.completions_api import TextChunks
 from fleet_gateway.frames import NDJSON, SSE, Failed, Finished, Progress, StreamFormat
 from fleet_gateway.ollama_api import ChatLines
-from fleet_gateway.openai_api import ChatChunks, completion_response, tool_call_items
+from fleet_gateway.openai_api import ChatChunks, chat_choice, choices_usage, completion_response
 from fleet_gateway.parsing.output import Delta, ToolCall
 from fleet_gateway.responses_api import ResponseEvents, parse_responses_request, response_body, skeleton
 from fleet_gateway.streaming import event_frames
@@ -204,17 +204,8 @@ def test_chat_stream_failure_mid_stream_raises_api_error():
 
 
 def test_chat_completion_body_parses_with_tool_calls_and_reasoning():
-    body = completion_response(
-        "chatcmpl-test",
-        MODEL,
-        CREATED,
-        WHOLE_RUN.content,
-        "stop",
-        12,
-        7,
-        reasoning=WHOLE_RUN.reasoning,
-        tool_calls=tool_call_items(WHOLE_RUN.tool_calls),
-    )
+    choices = [chat_choice(0, WHOLE_RUN, "stop")]
+    body = completion_response("chatcmpl-test", MODEL, CREATED, choices, choices_usage([TOOL_FINISH]))
     client = openai_client(json_body(body), "application/json")
     completion = client.chat.completions.create(model=MODEL, messages=USER_TURN)
 
@@ -502,7 +493,11 @@ STRICT_CASES = [
     ),
     pytest.param(
         ChatCompletion.model_validate,
-        [completion_response("c", MODEL, CREATED, "Hi", "stop", 1, 2, "hm", tool_call_items([WEATHER_CALL]))],
+        [
+            completion_response(
+                "c", MODEL, CREATED, [chat_choice(0, WHOLE_RUN, "stop")], choices_usage([TOOL_FINISH])
+            )
+        ],
         id="openai-chat-body",
     ),
     pytest.param(

@@ -46,17 +46,7 @@ def test_reasoning_then_a_tool_call_finishes_with_tool_calls(model: ModelInfo) -
         ("get_weather", {"city": "Oslo"})
     ]
     assert step.finish_reason("stop") == "tool_calls"
-    body = oai.completion_response(
-        "c",
-        "m",
-        0,
-        delta.content,
-        step.finish_reason("stop"),
-        5,
-        9,
-        delta.reasoning,
-        oai.tool_call_items(delta.tool_calls),
-    )
+    body = oai.completion_response("c", "m", 0, [oai.chat_choice(0, delta, step.finish_reason("stop"))], {})
     message = body["choices"][0]["message"]
     assert (
         body["choices"][0]["finish_reason"] == "tool_calls"

@@ -53,6 +53,7 @@ from fleet_proto.messages import (
     RouteReply,
     RouteRequest,
     SamplingParams,
+    StructuredOutput,
     TokenChunk,
 )
 from fleet_proto.state import State
@@ -110,6 +111,7 @@ __all__ = [
     "ServiceStopped",
     "Shard",
     "State",
+    "StructuredOutput",
     "TokenChunk",
     "UnknownCommandError",
     "UnknownEventError",

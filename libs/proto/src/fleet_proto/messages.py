@@ -8,18 +8,44 @@ from __future__ import annotations
 from fleet_proto.common import Frozen, GpuSample, Shard
 
 
+class StructuredOutput(Frozen):
+    """What the completion must match: exactly one field set, as vLLM's StructuredOutputsParams.
+
+    Every engine compiles it with the same grammar library (xgrammar) and the same options, so one
+    spec means one language everywhere. `structural_tag` is xgrammar's structural-tag JSON (tool
+    calls in the model's own format). A spec a compiler refuses fails the request with
+    error_kind "invalid_request" (a 400 naming the client's field)."""
+
+    json_schema: str = ""  # JSON text of a JSON Schema
+    json_object: bool = False  # any JSON object
+    regex: str = ""
+    choice: tuple[str, ...] = ()  # one of these strings exactly
+    grammar: str = ""  # EBNF (xgrammar's dialect, as vLLM's `grammar`)
+    structural_tag: str = ""
+
+
 class SamplingParams(Frozen):
+    """How one completion is sampled; the same meaning on every engine (vLLM's definitions):
+    repetition_penalty scales the logits of tokens in the prompt and the completion; presence and
+    frequency penalties subtract from the logits of tokens in the completion (once / per use);
+    logit_bias adds to the logits; stop tokens cannot end the completion before min_tokens."""
+
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # as vLLM's: end-of-sequence tokens do not stop it (stop_token_ids do)
     # None: no log-probabilities; k >= 0: each sampled token's and the k most likely tokens'
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
 
 TRANSPORTS = ("auto", "stream", "staged")
@@ -111,6 +137,9 @@ class GenerationOutput(Frozen):
     token_ids: tuple[int, ...] = ()
     finish_reason: str = ""  # "", "stop", "length", "cancelled", "error"
     error: str = ""
+    # "invalid_request": the request itself is wrong (a grammar that does not compile): the client's
+    # 400, not the server's failure; "": any other error
+    error_kind: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_time_s: float = 0.0

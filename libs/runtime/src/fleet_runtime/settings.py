@@ -113,11 +113,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_keys: str = ""
     admin_keys: str = ""
     # Gateway limits (0: none beyond the model's context): request body bytes, prompt tokens,
-    # completion tokens a request may ask for, generations in flight per key (per gateway replica),
-    # and a per-key token bucket in Redis (requests per second, burst).
+    # completion tokens a request may ask for, choices one OpenAI request may ask for with `n` (each
+    # is a generation of its own), generations in flight per key (per gateway replica), and a
+    # per-key token bucket in Redis (requests per second, burst).
     max_body_bytes: int = 8 * 2**20
     max_prompt_tokens: int = 0
     max_completion_tokens: int = 0
+    max_n: int = 8
     max_streams_per_key: int = 64
     rate_limit_per_s: float = 0.0
     rate_limit_burst: int = 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from fleet_gateway import anthropic_api as api
+from fleet_gateway.fanout import collect
 from fleet_gateway.streaming import stream_run
-from fleet_gateway.turns import Turns, collect, render_prompt
+from fleet_gateway.turns import Turns, render_prompt
 
 
 def anthropic_routes(turns: Turns) -> list[web.RouteDef]:

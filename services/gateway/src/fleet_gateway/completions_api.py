@@ -1,21 +1,20 @@
 """OpenAI (legacy) text completions adapter, pure: POST /v1/completions request and response shapes.
 
-One prompt per request (a string, or token ids), n = 1, logprobs up to 5; no echo / suffix /
-best_of yet: each of those is a clear 400. Sampling fields and their checks are the chat adapter's.
+One prompt per request (a string, or token ids), `n` choices of it, logprobs up to 5; no echo /
+suffix / best_of yet: each of those is a clear 400. Sampling fields and their checks are
+`openai_sampling`'s, as chat's.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 from typing import Any
-
-import msgspec
 
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.frames import SSE, Finished, sse_data
-from fleet_gateway.openai_api import SSE_DONE, StreamOptions, usage, validate_sampling
-from fleet_gateway.openai_api import sampling_ask as oai_sampling_ask
+from fleet_gateway.openai_api import SSE_DONE, choices_usage
+from fleet_gateway.openai_sampling import SamplingFields, validate_sampling
+from fleet_gateway.openai_sampling import sampling_ask as shared_sampling_ask
 from fleet_gateway.parsing.output import Delta, TokenScore
 from fleet_gateway.sampling import SamplingAsk
 
@@ -23,29 +22,16 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 5  # OpenAI's limit for the legacy endpoint
 
 
-class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+class CompletionRequest(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """max_completion_tokens (chat's name) is accepted here too: the shared checks apply as they are."""
+
     model: str
     prompt: str | list[int | str]  # a string, token ids, or a list holding one string
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     max_tokens: int | None = DEFAULT_COMPLETION_TOKENS
-    max_completion_tokens: int | None = None  # not OpenAI's here; lets the chat checks apply as they are
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    user: str | None = None
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
@@ -79,9 +65,8 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
 
 
 def sampling_ask(req: CompletionRequest) -> SamplingAsk:
-    """Chat's mapping, with the legacy `logprobs` (the number of top tokens) instead of
-    logprobs + top_logprobs."""
-    return replace(oai_sampling_ask(req), logprobs=req.logprobs)
+    """The shared mapping, with the legacy `logprobs` (the number of top tokens)."""
+    return shared_sampling_ask(req, req.logprobs)
 
 
 def text_logprobs(scores: list[TokenScore], offset: int = 0) -> dict[str, Any]:
@@ -118,23 +103,22 @@ def _body(id: str, model: str, created: int, choices: list[dict[str, Any]]) -> d
     return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices}
 
 
-def _choice(text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+def text_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def text_completion_response(
-    id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str,
-    counts: tuple[int, int],
-    scores: list[TokenScore] | None = None,
+    id: str, model: str, created: int, results: list[tuple[Delta, Finished]]
 ) -> dict[str, Any]:
-    """The non-streamed body; counts = (prompt tokens, completion tokens)."""
-    logprobs = text_logprobs(scores) if scores else None
-    body = _body(id, model, created, [_choice(text, finish_reason, logprobs)])
-    return body | {"usage": usage(*counts), "system_fingerprint": None}
+    """The non-streamed body: one choice per (text, finish) of the n choices."""
+    choices = [
+        text_choice(i, text.content, finished.reason, text_logprobs(text.logprobs) if text.logprobs else None)
+        for i, (text, finished) in enumerate(results)
+    ]
+    usage = choices_usage([finished for _, finished in results])
+    return _body(id, model, created, choices) | {"usage": usage, "system_fingerprint": None}
 
 
 def text_chunk(
@@ -144,44 +128,51 @@ def text_chunk(
     text: str,
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    return _body(id, model, created, [_choice(text, finish_reason, logprobs)])
+    return _body(id, model, created, [text_choice(index, text, finish_reason, logprobs)])
 
 
-def text_usage_chunk(id: str, model: str, created: int, counts: tuple[int, int]) -> dict[str, Any]:
+def text_usage_chunk(id: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
     """The last chunk with stream_options.include_usage: no choices, the usage."""
-    return _body(id, model, created, []) | {"usage": usage(*counts)}
+    return _body(id, model, created, []) | {"usage": usage}
 
 
 class TextChunks:
-    """The `text_completion` stream of one completion (a StreamFormat): text chunks, a last chunk
-    with the finish reason, the usage chunk when asked, `[DONE]`."""
+    """The `text_completion` stream of n choices (a ChoicesFormat): text chunks of each choice as
+    they come, each choice's last chunk with its finish reason; after the last, the usage chunk
+    when asked and `[DONE]`."""
 
     content_type = SSE
 
-    def __init__(self, id: str, model: str, created: int, include_usage: bool) -> None:
+    def __init__(self, id: str, model: str, created: int, include_usage: bool, n: int = 1) -> None:
         self.id, self.model, self.created, self.include_usage = id, model, created, include_usage
-        self._counts = (0, 0)
-        self._offset = 0  # characters of text so far (the tokens' text offsets continue from it)
+        self.n = n
+        self._finished: dict[int, Finished] = {}
+        self._offsets = [0] * n  # characters of each choice's text so far (its tokens' text offsets)
 
     def start(self) -> list[bytes]:
         return []
 
-    def delta(self, delta: Delta) -> list[bytes]:
+    def delta(self, delta: Delta, index: int = 0) -> list[bytes]:
         if not (delta.content or delta.logprobs):
             return []
-        logprobs = text_logprobs(delta.logprobs, self._offset) if delta.logprobs else None
-        self._offset += sum(len(s.token) for s in delta.logprobs) if delta.logprobs else len(delta.content)
-        body = text_chunk(self.id, self.model, self.created, delta.content, logprobs=logprobs)
+        offset = self._offsets[index]
+        logprobs = text_logprobs(delta.logprobs, offset) if delta.logprobs else None
+        added = sum(len(s.token) for s in delta.logprobs) if delta.logprobs else len(delta.content)
+        self._offsets[index] = offset + added
+        body = text_chunk(self.id, self.model, self.created, delta.content, logprobs=logprobs, index=index)
         return [sse_data(body)]
 
-    def finish(self, finished: Finished) -> list[bytes]:
-        self._counts = (finished.prompt_tokens, finished.completion_tokens)
-        return [sse_data(text_chunk(self.id, self.model, self.created, "", finished.reason)), *self._end()]
+    def finish(self, finished: Finished, index: int = 0) -> list[bytes]:
+        self._finished[index] = finished
+        last = sse_data(text_chunk(self.id, self.model, self.created, "", finished.reason, index=index))
+        return [last, *self._end()] if len(self._finished) == self.n else [last]
 
     def fail(self, message: str) -> list[bytes]:
         return [sse_data(error_body(503, message)), *self._end()]
 
     def _end(self) -> list[bytes]:
-        usage_frame = sse_data(text_usage_chunk(self.id, self.model, self.created, self._counts))
-        return [*([usage_frame] if self.include_usage else []), SSE_DONE]
+        finishes = [self._finished[i] for i in sorted(self._finished)]
+        usage = text_usage_chunk(self.id, self.model, self.created, choices_usage(finishes))
+        return [*([sse_data(usage)] if self.include_usage else []), SSE_DONE]

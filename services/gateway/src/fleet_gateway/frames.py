@@ -32,10 +32,20 @@ class Finished:
     first_token_at: float = 0.0  # time.monotonic(), 0.0 when no token came
     finished_at: float = 0.0  # time.monotonic()
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from a cache, as the engine's last chunk reported them."""
+        return self.last.prefix_cached_tokens if self.last else 0
+
 
 @dataclass(frozen=True)
 class Failed:
+    """The run failed: the server's failure (503), or the engine refused the request itself (400,
+    naming the client's field, e.g. a grammar that does not compile)."""
+
     message: str
+    status: int = 503
+    param: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,14 @@ class StreamFormat(Protocol):
     def finish(self, finished: Finished) -> list[bytes]: ...
 
     def fail(self, message: str) -> list[bytes]: ...
+
+
+class ChoicesFormat(StreamFormat, Protocol):
+    """A stream of several choices of one prompt (OpenAI's `n`): deltas and finishes name theirs."""
+
+    def delta(self, delta: Delta, index: int = 0) -> list[bytes]: ...
+
+    def finish(self, finished: Finished, index: int = 0) -> list[bytes]: ...
 
 
 def sse_data(data: object) -> bytes:

@@ -81,7 +81,7 @@ async def main(ctx: ServiceContext) -> None:
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
     app.add_routes(state_routes(ctx.follower))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
-    limits = RequestLimits(settings.max_prompt_tokens, settings.max_completion_tokens)
+    limits = RequestLimits(settings.max_prompt_tokens, settings.max_completion_tokens, settings.max_n)
     turns = Turns(generator, catalog, ctx.follower, ctx.tracing, limits)
     app.add_routes(openai_routes(turns, ctx.follower))
     app.add_routes(anthropic_routes(turns))

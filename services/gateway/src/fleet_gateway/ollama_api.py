@@ -2,10 +2,12 @@
 Ollama's NDJSON lines (streamed by default, as Ollama does) or one object; /api/tags, /api/ps and
 /api/show bodies from the cluster state and model cards.
 
-Options mapped: num_predict, temperature, top_p, top_k, min_p, repeat_penalty, seed, stop; others
-(num_ctx, num_thread, mirostat ...) are engine settings Fleet chooses itself, and are ignored like
-Ollama ignores options a runner does not take. `format` (JSON modes) needs constrained decoding:
-400. Reasoning goes to `thinking`, tool calls to `message.tool_calls` with arguments as objects.
+Options mapped: num_predict, temperature, top_p, top_k, min_p, repeat_penalty (vLLM's
+repetition_penalty, over the whole context rather than llama.cpp's last repeat_last_n tokens),
+presence_penalty, frequency_penalty, seed, stop; others (num_ctx, num_thread, mirostat ...) are
+engine settings Fleet chooses itself, or samplers it does not have, and are ignored like Ollama
+ignores options a runner does not take. `format`: "json" or a JSON schema constrains the output.
+Reasoning goes to `thinking`, tool calls to `message.tool_calls` with arguments as objects.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from fleet_gateway import structured
 from fleet_gateway.aliases import ready_models
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.frames import NDJSON, Finished, ndjson_line
@@ -40,8 +43,23 @@ class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: list[str] | None = None
+
+
+# SamplingAsk's fields -> the options that set them, for errors
+OPTION_NAMES = {
+    "max_tokens": "options.num_predict",
+    "temperature": "options.temperature",
+    "top_p": "options.top_p",
+    "top_k": "options.top_k",
+    "min_p": "options.min_p",
+    "repetition_penalty": "options.repeat_penalty",
+    "presence_penalty": "options.presence_penalty",
+    "frequency_penalty": "options.frequency_penalty",
+}
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -85,18 +103,14 @@ class ShowRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     name: str = ""  # older clients send `name`
 
 
-def _check_common(model: str, format: str | dict[str, Any] | None, options: Options | None) -> None:
-    if not model.strip():
+def _check_common(req: ChatRequest | GenerateRequest) -> None:
+    if not req.model.strip():
         raise ApiError(400, "model is required", param="model")
-    if format:
-        raise ApiError(
-            400, "format (JSON mode) is not supported: Fleet has no constrained decoding yet", param="format"
-        )
-    check_sampling(sampling_ask(options), names={"repetition_penalty": "options.repeat_penalty"})
+    check_sampling(sampling_ask(req), names=OPTION_NAMES)
 
 
-def sampling_ask(options: Options | None) -> SamplingAsk:
-    options = options or Options()
+def sampling_ask(req: ChatRequest | GenerateRequest) -> SamplingAsk:
+    options = req.options or Options()
     bounded = options.num_predict is not None and options.num_predict >= 0
     return SamplingAsk(
         max_tokens=max(options.num_predict, 1) if bounded else None,
@@ -105,9 +119,12 @@ def sampling_ask(options: Options | None) -> SamplingAsk:
         top_k=options.top_k,
         min_p=options.min_p,
         repetition_penalty=options.repeat_penalty,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
         seed=options.seed,
-        max_tokens_param="options.num_predict",
+        max_tokens_param=OPTION_NAMES["max_tokens"],
         default_max_tokens=UNBOUNDED_TOKENS,
+        constraint=structured.ollama_format(req.format),
     )
 
 
@@ -117,7 +134,7 @@ def stops(options: Options | None) -> list[str]:
 
 def parse_chat_request(body: bytes) -> ChatRequest:
     req = decode_json_body(body, ChatRequest)
-    _check_common(req.model, req.format, req.options)
+    _check_common(req)
     for index, message in enumerate(req.messages):
         if message.role not in ROLES:
             raise ApiError(400, f"messages[{index}]: invalid role {message.role!r}", param="messages")
@@ -128,7 +145,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
 
 def parse_generate_request(body: bytes) -> GenerateRequest:
     req = decode_json_body(body, GenerateRequest)
-    _check_common(req.model, req.format, req.options)
+    _check_common(req)
     if req.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if req.images:
@@ -180,7 +197,7 @@ def chat_turn(req: ChatRequest) -> ChatTurn:
     return ChatTurn(
         model=req.model,
         messages=template_messages(req.messages),
-        sampling=sampling_ask(req.options),
+        sampling=sampling_ask(req),
         stops=stops(req.options),
         tools=req.tools or None,
     )
@@ -190,7 +207,7 @@ def generate_turn(req: GenerateRequest) -> ChatTurn:
     """A templated /api/generate prompt: the system and the prompt as one user turn."""
     messages = [{"role": "system", "content": req.system}] if req.system else []
     messages.append({"role": "user", "content": req.prompt})
-    return ChatTurn(req.model, messages, sampling_ask(req.options), stops(req.options))
+    return ChatTurn(req.model, messages, sampling_ask(req), stops(req.options))
 
 
 # ---------------------------------------------------------------- responses

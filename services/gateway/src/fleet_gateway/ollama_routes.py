@@ -11,10 +11,11 @@ from fleet_bus import StateFollower
 from fleet_gateway import ollama_api as api
 from fleet_gateway.aliases import serving_model
 from fleet_gateway.errors import ApiError
+from fleet_gateway.fanout import collect
 from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
 from fleet_gateway.parsing.tools import infer_tool_parser
 from fleet_gateway.streaming import stream_run
-from fleet_gateway.turns import Prepared, Turns, collect
+from fleet_gateway.turns import Prepared, Turns
 
 
 def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
@@ -41,7 +42,7 @@ def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
             return web.json_response(loaded | {"done": True, "done_reason": "load"})
         if req.raw:
             model = await turns.resolve(req.model)
-            ask, prompt = api.sampling_ask(req.options), model.tokenizer.encode(req.prompt)
+            ask, prompt = api.sampling_ask(req), model.tokenizer.encode(req.prompt)
             prepared = turns.prepare_text(model, prompt, ask, api.stops(req.options))
         else:
             prepared = await turns.prepare_chat(api.generate_turn(req))

@@ -1,24 +1,27 @@
 """OpenAI chat completions adapter, pure: parse and validate a request, map it to SamplingParams,
 build response bodies and SSE frames. No I/O; the HTTP handler wires these around a generation.
 
-Shapes follow the OpenAI API reference (`chat.completion`, `chat.completion.chunk`, error bodies).
-Fleet extensions accepted in the body: top_k, min_p, repetition_penalty, ignore_eos (as in vLLM).
+Shapes follow the OpenAI API reference (`chat.completion`, `chat.completion.chunk`, error bodies);
+`n` choices are numbered by `index`. The sampling fields, vLLM's extensions among them, are
+`openai_sampling`'s (shared with text completions).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
 
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.frames import SSE, Finished, sse_data
+from fleet_gateway.openai_sampling import SamplingFields, validate_sampling
+from fleet_gateway.openai_sampling import sampling_ask as shared_sampling_ask
 from fleet_gateway.parsing.output import Delta, TokenScore
-from fleet_gateway.sampling import SamplingAsk, check_sampling
+from fleet_gateway.sampling import SamplingAsk
 
-MAX_STOP_STRINGS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto")
 MAX_TOP_LOGPROBS = 20
@@ -51,37 +54,16 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     tool_call_id: str | None = None  # tool turns: the call they answer
 
 
-class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields=False):
     """The body of POST /v1/chat/completions; unknown fields are ignored."""
 
     model: str
     messages: list[ChatMessage]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension; 0 or -1: off
-    min_p: float | None = None  # extension
-    repetition_penalty: float | None = None  # extension
-    ignore_eos: bool = False  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    user: str | None = None
 
 
 # ---------------------------------------------------------------- parsing and validation
@@ -122,52 +104,11 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
             f"tools[{index}]",
             f'Invalid \'tools[{index}]\': expected {{"type": "function", "function": {{"name": ...}}}}.',
         )
-    check_text_format((req.response_format or {}).get("type", "text"), "response_format")
     if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
         raise ApiError(
             400,
-            'Only \'tool_choice\' "auto" and "none" are supported (no constrained decoding yet).',
+            'Only \'tool_choice\' "auto" and "none" are supported yet.',
             param="tool_choice",
-        )
-
-
-def check_text_format(kind: str, param: str) -> None:
-    """Only free text: JSON modes need constrained decoding, which Fleet's engines do not offer."""
-    if kind != "text":
-        raise ApiError(
-            400,
-            f"{param} {kind!r} is not supported: Fleet has no constrained (JSON) decoding yet; "
-            "ask for JSON in the prompt instead.",
-            param=param,
-        )
-
-
-def validate_sampling(req) -> None:
-    """The checks chat and text completions share (both request structs name these fields alike)."""
-    check_sampling(sampling_ask(req))
-    if req.max_completion_tokens is not None and req.max_tokens is not None:
-        _check(
-            req.max_tokens >= 1,
-            "max_tokens",
-            f"Invalid 'max_tokens': {req.max_tokens}; expected an integer >= 1.",
-        )
-    if req.n is not None:
-        _check(req.n == 1, "n", f"Invalid 'n': {req.n}; only n=1 is supported.")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value is not None:
-            _check(value == 0, name, f"'{name}' is not supported; only 0 is accepted.")
-    if req.stream_options is not None and not req.stream:
-        raise ApiError(
-            400,
-            "The 'stream_options' parameter is only allowed when 'stream' is true.",
-            param="stream_options",
-        )
-    if isinstance(req.stop, list):
-        _check(
-            len(req.stop) <= MAX_STOP_STRINGS,
-            "stop",
-            f"Invalid 'stop': {len(req.stop)} strings given; at most {MAX_STOP_STRINGS} are allowed.",
         )
 
 
@@ -252,31 +193,19 @@ def tool_call_items(calls) -> list[dict[str, Any]]:
     ]
 
 
-def stop_strings(req: ChatCompletionRequest) -> list[str]:
+def stop_strings(req: SamplingFields) -> list[str]:
     """The request's stop strings (empty strings dropped)."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     return [stop for stop in stops if stop]
 
 
-def include_usage(req: ChatCompletionRequest) -> bool:
+def include_usage(req: SamplingFields) -> bool:
     return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
 
 
-def sampling_ask(req) -> SamplingAsk:
-    """What a chat or text completion request asks of sampling (both name the fields alike)."""
-    uses_new_name = req.max_completion_tokens is not None
-    return SamplingAsk(
-        max_tokens=req.max_completion_tokens if uses_new_name else req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
-        seed=req.seed,
-        max_tokens_param="max_completion_tokens" if uses_new_name else "max_tokens",
-        logprobs=(req.top_logprobs or 0) if req.logprobs is True else None,
-        ignore_eos=req.ignore_eos,
-    )
+def sampling_ask(req: ChatCompletionRequest) -> SamplingAsk:
+    """The shared mapping, with chat's logprobs (a flag, and top_logprobs for how many)."""
+    return shared_sampling_ask(req, (req.top_logprobs or 0) if req.logprobs is True else None)
 
 
 # ---------------------------------------------------------------- responses
@@ -286,12 +215,22 @@ def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def choices_usage(finishes: Sequence[Finished]) -> dict[str, Any]:
+    """Usage as OpenAI counts n choices of one prompt: the prompt once, the completions summed; the
+    cached tokens are the first choice's (the others read the same prompt's cache)."""
+    if not finishes:
+        return usage(0, 0)
+    first = finishes[0]
+    return usage(first.prompt_tokens, sum(f.completion_tokens for f in finishes), first.cached_tokens)
 
 
 def _score(score: TokenScore) -> dict[str, Any]:
@@ -304,40 +243,30 @@ def chat_logprobs(scores: list[TokenScore]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def completion_response(
-    id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    reasoning: str = "",
-    tool_calls: list[dict[str, Any]] | None = None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A non-streamed `chat.completion` body; reasoning goes to `reasoning_content` (as vLLM and
+def chat_choice(index: int, text: Delta, finish_reason: str) -> dict[str, Any]:
+    """One choice of a `chat.completion`: reasoning goes to `reasoning_content` (as vLLM and
     DeepSeek's API do); with tool calls the content is null and finish_reason "tool_calls"."""
-    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if tool_calls:
-        message |= {"content": text or None, "tool_calls": tool_calls}
+    message: dict[str, Any] = {"role": "assistant", "content": text.content, "refusal": None}
+    if text.reasoning:
+        message["reasoning_content"] = text.reasoning
+    if text.tool_calls:
+        message |= {"content": text.content or None, "tool_calls": tool_call_items(text.tool_calls)}
         finish_reason = "tool_calls"
+    logprobs = chat_logprobs(text.logprobs) if text.logprobs else None
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(
+    id: str, model: str, created: int, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """A non-streamed `chat.completion` body."""
     return {
         "id": id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": choices,
+        "usage": usage,
         "system_fingerprint": None,
     }
 
@@ -351,29 +280,32 @@ def chunk(
     *,
     include_usage: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`; with include_usage, `usage: null` as OpenAI sends on every chunk."""
+    """One `chat.completion.chunk` of choice `index`; with include_usage, `usage: null` as OpenAI
+    sends on every chunk."""
     body: dict[str, Any] = {
         "id": id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         body["usage"] = None
     return body
 
 
-def first_chunk(id: str, model: str, created: int, *, include_usage: bool = False) -> dict[str, Any]:
-    """The stream's first chunk: the assistant role with empty content."""
-    return chunk(id, model, created, {"role": "assistant", "content": ""}, include_usage=include_usage)
-
-
-def usage_chunk(
-    id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int
+def first_chunk(
+    id: str, model: str, created: int, *, include_usage: bool = False, index: int = 0
 ) -> dict[str, Any]:
+    """A choice's first chunk: the assistant role with empty content."""
+    delta = {"role": "assistant", "content": ""}
+    return chunk(id, model, created, delta, include_usage=include_usage, index=index)
+
+
+def usage_chunk(id: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
     """The last chunk before [DONE] when stream_options.include_usage: no choices, the usage."""
     return {
         "id": id,
@@ -382,24 +314,30 @@ def usage_chunk(
         "model": model,
         "system_fingerprint": None,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage,
     }
 
 
 class ChatChunks:
-    """The `chat.completion.chunk` stream of one completion (a StreamFormat): the role first, then
-    content / reasoning_content / tool_calls deltas (each call whole, numbered by `index`), the
-    finish reason, the usage chunk when asked, `[DONE]`; a failure is an error frame, then [DONE]."""
+    """The `chat.completion.chunk` stream of n choices (a ChoicesFormat): each choice's role first,
+    then content / reasoning_content / tool_calls deltas (each call whole, numbered by `index`
+    within its choice) as they come, each choice's finish reason; after the last, the usage chunk
+    when asked and `[DONE]`. A failure is an error frame, then [DONE]."""
 
     content_type = SSE
 
-    def __init__(self, id: str, model: str, created: int, include_usage: bool) -> None:
+    def __init__(self, id: str, model: str, created: int, include_usage: bool, n: int = 1) -> None:
         self.id, self.model, self.created, self.include_usage = id, model, created, include_usage
-        self._calls = 0
-        self._usage = (0, 0)
+        self.n = n
+        self._calls = [0] * n  # tool calls sent in each choice
+        self._finished: dict[int, Finished] = {}
 
     def _chunk(
-        self, delta: dict[str, Any], finish_reason: str | None = None, scores: list[TokenScore] | None = None
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        scores: list[TokenScore] | None = None,
     ) -> bytes:
         logprobs = chat_logprobs(scores) if scores else None
         body = chunk(
@@ -410,29 +348,37 @@ class ChatChunks:
             finish_reason,
             include_usage=self.include_usage,
             logprobs=logprobs,
+            index=index,
         )
         return sse_data(body)
 
     def start(self) -> list[bytes]:
-        return [sse_data(first_chunk(self.id, self.model, self.created, include_usage=self.include_usage))]
+        return [
+            sse_data(
+                first_chunk(self.id, self.model, self.created, include_usage=self.include_usage, index=i)
+            )
+            for i in range(self.n)
+        ]
 
-    def delta(self, delta: Delta) -> list[bytes]:
+    def delta(self, delta: Delta, index: int = 0) -> list[bytes]:
         fields: dict[str, Any] = {"content": delta.content} if delta.content else {}
         if delta.reasoning:
             fields["reasoning_content"] = delta.reasoning
         if delta.tool_calls:
             items = tool_call_items(delta.tool_calls)
-            fields["tool_calls"] = [item | {"index": self._calls + i} for i, item in enumerate(items)]
-            self._calls += len(items)
-        return [self._chunk(fields, scores=delta.logprobs)] if fields or delta.logprobs else []
+            fields["tool_calls"] = [item | {"index": self._calls[index] + i} for i, item in enumerate(items)]
+            self._calls[index] += len(items)
+        return [self._chunk(index, fields, scores=delta.logprobs)] if fields or delta.logprobs else []
 
-    def finish(self, finished: Finished) -> list[bytes]:
-        self._usage = (finished.prompt_tokens, finished.completion_tokens)
-        return [self._chunk({}, finished.reason), *self._end()]
+    def finish(self, finished: Finished, index: int = 0) -> list[bytes]:
+        self._finished[index] = finished
+        frames = [self._chunk(index, {}, finished.reason)]
+        return [*frames, *self._end()] if len(self._finished) == self.n else frames
 
     def fail(self, message: str) -> list[bytes]:
         return [sse_data(error_body(503, message)), *self._end()]
 
     def _end(self) -> list[bytes]:
-        usage_frame = [sse_data(usage_chunk(self.id, self.model, self.created, *self._usage))]
-        return [*(usage_frame if self.include_usage else []), SSE_DONE]
+        finishes = [self._finished[i] for i in sorted(self._finished)]
+        usage_frame = sse_data(usage_chunk(self.id, self.model, self.created, choices_usage(finishes)))
+        return [*([usage_frame] if self.include_usage else []), SSE_DONE]

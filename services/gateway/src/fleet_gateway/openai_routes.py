@@ -17,10 +17,11 @@ from fleet_gateway import openai_api as oai
 from fleet_gateway import responses_api as rapi
 from fleet_gateway.aliases import ready_models
 from fleet_gateway.errors import ApiError, decode_json_body
+from fleet_gateway.fanout import collect, collect_choices
 from fleet_gateway.frames import Finished
 from fleet_gateway.parsing.output import Delta
-from fleet_gateway.streaming import stream_run
-from fleet_gateway.turns import ChatTurn, Prepared, Turns, collect
+from fleet_gateway.streaming import stream_choices, stream_run
+from fleet_gateway.turns import ChatTurn, Prepared, Turns
 from fleet_proto import TokenChunk
 from fleet_proto.messages import TRANSPORTS
 
@@ -75,13 +76,13 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         req, prepared = await prepare_chat(await request.read())
         completion_id, created = oai.new_completion_id(), int(time.time())
-        run = await turns.start(completion_id, prepared)
+        runs = await turns.start_choices(completion_id, prepared, req.n or 1)
         name = prepared.model.model_id
         if req.stream:
-            chunks = oai.ChatChunks(completion_id, name, created, oai.include_usage(req))
-            return await stream_run(request, run, chunks)
-        text, finished = await collect(run)
-        return web.json_response(chat_body(completion_id, created, name, text, finished))
+            chunks = oai.ChatChunks(completion_id, name, created, oai.include_usage(req), len(runs))
+            return await stream_choices(request, runs, chunks)
+        results = await collect_choices(runs)
+        return web.json_response(chat_body(completion_id, created, name, results))
 
     async def bench_chat_completions(request: web.Request) -> web.Response:
         raw = await request.read()
@@ -92,7 +93,7 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
         started = time.monotonic()
         run = await turns.start(completion_id, prepared, **choices)
         text, finished = await collect(run)
-        body = chat_body(completion_id, created, prepared.model.model_id, text, finished)
+        body = chat_body(completion_id, created, prepared.model.model_id, [(text, finished)])
         last = finished.last or TokenChunk(request_id=completion_id)
         body["generation_stats"] = generation_stats(last, started, finished.first_token_at, time.monotonic())
         return web.json_response(body)
@@ -104,16 +105,16 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
         prompt = capi.prompt_token_ids(req, model.tokenizer)
         prepared = turns.prepare_text(model, prompt, capi.sampling_ask(req), oai.stop_strings(req))
         completion_id, created = capi.new_text_completion_id(), int(time.time())
-        run = await turns.start(completion_id, prepared)
+        runs = await turns.start_choices(completion_id, prepared, req.n or 1)
         if req.stream:
-            chunks = capi.TextChunks(completion_id, model.model_id, created, oai.include_usage(req))
-            return await stream_run(request, run, chunks)
-        text, finished = await collect(run)
-        counts = (finished.prompt_tokens, finished.completion_tokens)
-        body = capi.text_completion_response(
-            completion_id, model.model_id, created, text.content, finished.reason, counts, text.logprobs
+            chunks = capi.TextChunks(
+                completion_id, model.model_id, created, oai.include_usage(req), len(runs)
+            )
+            return await stream_choices(request, runs, chunks)
+        results = await collect_choices(runs)
+        return web.json_response(
+            capi.text_completion_response(completion_id, model.model_id, created, results)
         )
-        return web.json_response(body)
 
     async def responses(request: web.Request) -> web.StreamResponse:
         """POST /v1/responses: one response, streamed as events or not; nothing is stored."""
@@ -143,16 +144,8 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
     ]
 
 
-def chat_body(completion_id: str, created: int, model: str, text: Delta, finished: Finished) -> dict:
-    return oai.completion_response(
-        completion_id,
-        model,
-        created,
-        text.content,
-        finished.reason,
-        finished.prompt_tokens,
-        finished.completion_tokens,
-        text.reasoning,
-        oai.tool_call_items(text.tool_calls),
-        oai.chat_logprobs(text.logprobs) if text.logprobs else None,
-    )
+def chat_body(completion_id: str, created: int, model: str, results: list[tuple[Delta, Finished]]) -> dict:
+    """A `chat.completion` of n choices, each (its text, its finish)."""
+    choices = [oai.chat_choice(i, text, finished.reason) for i, (text, finished) in enumerate(results)]
+    usage = oai.choices_usage([finished for _, finished in results])
+    return oai.completion_response(completion_id, model, created, choices, usage)

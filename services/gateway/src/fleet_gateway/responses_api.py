@@ -5,7 +5,8 @@ response.completed), as the Responses API reference orders them.
 Input items: messages (roles user / system / developer / assistant, text parts), function_call and
 function_call_output (rendered as the assistant's tool calls and tool turns), reasoning (dropped).
 Output items: reasoning (reasoning_text content), message (output_text), function_call. Responses
-are not stored (store is reported false), so previous_response_id is refused.
+are not stored (store is reported false), so previous_response_id is refused. `text.format`
+json_object / json_schema constrain the output (`structured`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ from typing import Any
 
 import msgspec
 
+from fleet_gateway import structured
 from fleet_gateway.content import NotText, joined_text
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.frames import SSE, Finished, sse_event
-from fleet_gateway.openai_api import TOOL_CHOICES, check_text_format
+from fleet_gateway.openai_api import TOOL_CHOICES
 from fleet_gateway.parsing.output import Delta, ToolCall
 from fleet_gateway.sampling import SamplingAsk, check_sampling
 from fleet_gateway.turns import ChatTurn
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class TextConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    format: structured.ResponsesTextFormat | None = None
 
 
 class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -41,7 +47,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
@@ -66,8 +72,6 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
         raise _bad("top_logprobs", "'top_logprobs' is not supported yet.")
     if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
         raise _bad("tool_choice", 'Only \'tool_choice\' "auto" and "none" are supported.')
-    text_format = ((req.text or {}).get("format") or {}).get("type", "text")
-    check_text_format(text_format, "text.format")
     for index, tool in enumerate(req.tools or []):
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
             raise _bad(f"tools[{index}]", f"tools[{index}]: only function tools with a name are supported.")
@@ -83,7 +87,12 @@ def sampling_ask(req: ResponsesRequest) -> SamplingAsk:
         top_k=req.top_k,
         seed=req.seed,
         max_tokens_param="max_output_tokens",
+        constraint=structured.response_format(text_format(req), "text.format"),
     )
+
+
+def text_format(req: ResponsesRequest) -> structured.ResponsesTextFormat | None:
+    return req.text.format if req.text else None
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -175,7 +184,7 @@ def skeleton(id: str, model: str, req: ResponsesRequest, created_at: int) -> dic
         "reasoning": {"effort": None, "summary": None},
         "store": False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": msgspec.to_builtins(text_format(req) or structured.TextFormat())},
         "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [],
         "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -189,7 +198,7 @@ def skeleton(id: str, model: str, req: ResponsesRequest, created_at: int) -> dic
 def _usage(finished: Finished) -> dict[str, Any]:
     return {
         "input_tokens": finished.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": finished.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": finished.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,

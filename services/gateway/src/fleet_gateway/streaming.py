@@ -1,11 +1,21 @@
-"""Writing a run's events as a streamed HTTP response, one write per event."""
+"""Writing a run's events (or n choices' events) as a streamed HTTP response, one write per event."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+from typing import TypeVar
+
 from aiohttp import web
 
-from fleet_gateway.frames import SSE, Event, Progress, StreamFormat, progress_frame
+from fleet_gateway.fanout import Choice, merge_runs
+from fleet_gateway.frames import SSE, ChoicesFormat, Event, Progress, StreamFormat, progress_frame
+from fleet_gateway.parsing.output import Delta
 from fleet_gateway.turns import Failed, Finished, Run
+from fleet_runtime.tracing import Tracing
+
+T = TypeVar("T")
 
 
 def event_frames(stream_format: StreamFormat, event: Event) -> list[bytes]:
@@ -19,21 +29,53 @@ def event_frames(stream_format: StreamFormat, event: Event) -> list[bytes]:
     return stream_format.delta(event)
 
 
-async def stream_run(request: web.Request, run: Run, stream_format: StreamFormat) -> web.StreamResponse:
+def choice_frames(stream_format: ChoicesFormat, choice: Choice) -> list[bytes]:
+    """What one choice's event writes: deltas and finishes are the choice's, the rest as one run's."""
+    event = choice.event
+    if isinstance(event, Delta):
+        return stream_format.delta(event, choice.index)
+    if isinstance(event, Finished):
+        return stream_format.finish(event, choice.index)
+    return event_frames(stream_format, event)
+
+
+async def write_stream(
+    request: web.Request,
+    stream_format: StreamFormat,
+    events: AsyncIterator[T],
+    frames_of: Callable[[T], list[bytes]],
+    tracing: Tracing,
+) -> web.StreamResponse:
+    """Start the response, then write each event's frames; `events` is closed however this ends, so
+    a failed write cancels the generation too."""
     headers = {"Content-Type": stream_format.content_type, "Cache-Control": "no-cache"}
     if stream_format.content_type == SSE:
         headers["X-Accel-Buffering"] = "no"
-    response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    frames = stream_format.start()
-    if frames:
-        await response.write(b"".join(frames))
-    writes = 0
-    async for event in run.events():
-        frames = event_frames(stream_format, event)
-        if not frames:
-            continue
-        with run.tracing.output_leaf(writes, "stream write", "stream", {"fleet.frames": len(frames)}):
+    async with contextlib.aclosing(events):
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        frames = stream_format.start()
+        if frames:
             await response.write(b"".join(frames))
-        writes += 1
+        writes = 0
+        async for event in events:
+            frames = frames_of(event)
+            if not frames:
+                continue
+            with tracing.output_leaf(writes, "stream write", "stream", {"fleet.frames": len(frames)}):
+                await response.write(b"".join(frames))
+            writes += 1
     return response
+
+
+async def stream_run(request: web.Request, run: Run, stream_format: StreamFormat) -> web.StreamResponse:
+    frames_of = partial(event_frames, stream_format)
+    return await write_stream(request, stream_format, run.events(), frames_of, run.tracing)
+
+
+async def stream_choices(
+    request: web.Request, runs: Sequence[Run], stream_format: ChoicesFormat
+) -> web.StreamResponse:
+    """n choices of one prompt in one stream, their events interleaved as they come."""
+    frames_of = partial(choice_frames, stream_format)
+    return await write_stream(request, stream_format, merge_runs(runs), frames_of, runs[0].tracing)

@@ -6,16 +6,23 @@ their request -> `ChatTurn` (template-ready messages, tools, `SamplingAsk`), and
 template, the context checks, routing and the engine's tokens -> text (stops, reasoning, tool calls)
 happen here once.
 
-A `Run` is started before any response header is sent, so "no instance" or a routing failure is
-still a proper error response; afterwards failures arrive as a `Failed` event.
+A `Run` is started before any response header is sent, so "no instance", a routing failure or
+the engine refusing the request (a grammar that does not compile) is still a proper error response;
+afterwards failures arrive as a `Failed` event. OpenAI's `n` starts n runs of one prepared prompt
+(`Turns.start_choices`); `fanout` merges their events.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
+
+import msgspec
 
 from fleet_bus import StateFollower, StreamBroken
 from fleet_gateway.aliases import known_models, ready_models, serving_model
@@ -29,13 +36,22 @@ from fleet_gateway.parsing.output import Delta, TokenScore
 from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
 from fleet_gateway.parsing.reasoning import ThinkParser
 from fleet_gateway.parsing.tools import PARSERS, infer_tool_parser
-from fleet_gateway.sampling import NO_LIMITS, RequestLimits, SamplingAsk, engine_finish_reason, to_sampling
+from fleet_gateway.sampling import (
+    NO_LIMITS,
+    RequestLimits,
+    SamplingAsk,
+    check_n,
+    engine_finish_reason,
+    to_sampling,
+)
 from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_proto import SamplingParams, TokenChunk
 from fleet_proto.messages import TokenLogprob
 from fleet_runtime.tracing import Tracing
 from fleet_store import StoreError
+
+SEED_RANGE = 1 << 64  # seeds are unsigned 64-bit integers at most
 
 
 @dataclass(frozen=True)
@@ -146,12 +162,33 @@ def render_prompt(
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready to run: the model, prompt token ids, sampling and the text step."""
+    """A request ready to run: the model, prompt token ids, sampling, what makes each run's text
+    step (a step holds one run's text state), and the client's field that asked for a structured
+    output (an engine refusing it names that field)."""
 
     model: ModelInfo
     prompt: list[int]
     sampling: SamplingParams
-    step: TextStep
+    new_step: Callable[[], TextStep]
+    constraint_param: str | None = None
+
+
+def refusal(chunk: TokenChunk, prepared: Prepared) -> ApiError | None:
+    """The client's 400 when the engine refused the request itself (e.g. a grammar it cannot compile)."""
+    if chunk.finish_reason != "error" or chunk.error_kind != "invalid_request":
+        return None
+    return ApiError(400, chunk.error, param=prepared.constraint_param, code="invalid_value")
+
+
+def choice_prepared(prepared: Prepared, index: int) -> Prepared:
+    """Choice `index` of n: with a seed, seed + index, so the choices differ and the same seed gives
+    the same n texts again."""
+    seed = prepared.sampling.seed
+    if seed is None or index == 0:
+        return prepared
+    # wrapped past the largest seed the wire (and torch) take, rather than failing the request
+    sampling = msgspec.structs.replace(prepared.sampling, seed=(seed + index) % SEED_RANGE)
+    return dataclasses.replace(prepared, sampling=sampling)
 
 
 class Run:
@@ -173,14 +210,22 @@ class Run:
     def prompt_tokens(self) -> int:
         return len(self.prepared.prompt)
 
+    async def close(self) -> None:
+        """Stop a run whose events are never read (the engine is told to cancel)."""
+        await self._chunks.aclose()
+
     async def events(self) -> AsyncIterator[Event]:
-        step = self.prepared.step
+        step = self.prepared.new_step()
         engine_reason, last, first_token_at, outputs = "stop", None, 0.0, 0
         try:
             chunk = self._first
             while chunk is not None:
                 if chunk.finish_reason == "error":
-                    yield Failed(f"generation failed: {chunk.error}")
+                    refused = refusal(chunk, self.prepared)
+                    if refused is not None:
+                        yield Failed(refused.message, 400, refused.param)
+                    else:
+                        yield Failed(f"generation failed: {chunk.error}")
                     return
                 if chunk.prefilled_tokens and not chunk.token_ids:
                     yield Progress(chunk.prefilled_tokens, chunk.prompt_tokens)
@@ -220,17 +265,8 @@ class Run:
         )
 
 
-async def collect(run: Run) -> tuple[Delta, Finished]:
-    """A whole run as one Delta (non-streamed responses); ApiError(503) when it failed."""
-    text = Delta()
-    async for event in run.events():
-        if isinstance(event, Failed):
-            raise ApiError(503, event.message)
-        if isinstance(event, Finished):
-            return text, event
-        if isinstance(event, Delta):
-            text = text.merge(event)
-    raise ApiError(503, "generation ended without a result")
+def _constraint_param(ask: SamplingAsk) -> str | None:
+    return ask.constraint.param if ask.constraint else None
 
 
 class Turns:
@@ -280,20 +316,25 @@ class Turns:
             model,
             prompt,
             self.sampling(model, turn.sampling, len(prompt)),
-            TextStep(model, turn.stops, text, formats),
+            partial(TextStep, model, turn.stops, text, formats),
+            _constraint_param(turn.sampling),
         )
 
     def prepare_text(
         self, model: ModelInfo, prompt: list[int], ask: SamplingAsk, stops: list[str]
     ) -> Prepared:
         """A raw prompt (no chat template, no reasoning split)."""
-        step = TextStep(model, stops, split_reasoning=False)
-        return Prepared(model, prompt, self.sampling(model, ask, len(prompt)), step)
+        sampling = self.sampling(model, ask, len(prompt))
+        new_step = partial(TextStep, model, stops, split_reasoning=False)
+        return Prepared(model, prompt, sampling, new_step, _constraint_param(ask))
 
     def sampling(self, model: ModelInfo, ask: SamplingAsk, prompt_len: int) -> SamplingParams:
         if prompt_len == 0:
             raise ApiError(400, "The prompt is empty: it encodes to no tokens.", param="prompt")
-        return to_sampling(ask, model.tokenizer.eos_token_ids, model.max_model_len, prompt_len, self._limits)
+        tokenizer = model.tokenizer
+        return to_sampling(
+            ask, tokenizer.eos_token_ids, model.max_model_len, prompt_len, self._limits, tokenizer.vocab_size
+        )
 
     async def start(self, request_id: str, prepared: Prepared, **choices: str) -> Run:
         """Route and send the task; wait for its first chunk (errors here are still responses)."""
@@ -314,4 +355,29 @@ class Turns:
             raise ApiError(503, str(exc)) from None
         except StreamBroken as exc:
             raise ApiError(503, str(exc)) from None
+        refused = refusal(first, prepared) if first is not None else None
+        if refused is not None:  # an engine refuses before it generates: no response has started
+            await chunks.aclose()
+            raise refused
         return Run(prepared, first, chunks, self._tracing)
+
+    async def start_choices(self, request_id: str, prepared: Prepared, n: int) -> list[Run]:
+        """OpenAI's `n`: n runs of one prepared prompt, started together as requests <id>-<i>, each
+        routed on its own (runs on one instance share the prompt's KV through its prefix cache).
+        When one cannot start, the others are closed."""
+        check_n(n, self._limits.max_n)
+        if n == 1:
+            return [await self.start(request_id, prepared)]
+        starts = [
+            asyncio.create_task(self.start(f"{request_id}-{i}", choice_prepared(prepared, i)))
+            for i in range(n)
+        ]
+        try:
+            return list(await asyncio.gather(*starts))
+        except BaseException:  # a failed start, or the client gone while starting
+            for task in starts:
+                task.cancel()
+            for result in await asyncio.gather(*starts, return_exceptions=True):
+                if isinstance(result, Run):
+                    await result.close()
+            raise

@@ -90,7 +90,12 @@ class RequestProgress:
     fallback: str = ""  # why a handed-over KV could not be used (the prompt was prefilled here)
 
     def output(
-        self, tokens: tuple[int, ...] = (), finish_reason: str = "", error: str = "", logprobs: tuple = ()
+        self,
+        tokens: tuple[int, ...] = (),
+        finish_reason: str = "",
+        error: str = "",
+        logprobs: tuple = (),
+        error_kind: str = "",
     ) -> GenerationOutput:
         decode_time_s = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
         return GenerationOutput(
@@ -98,6 +103,7 @@ class RequestProgress:
             token_ids=tokens,
             finish_reason=finish_reason,
             error=error,
+            error_kind=error_kind,
             prompt_tokens=len(self.request.prompt_token_ids),
             completion_tokens=self.generated,
             prompt_time_s=self.prompt_time_s,
@@ -251,6 +257,11 @@ def request_problem(request: EngineRequest, vocab_size: int) -> str:
         (params.top_k < 0, f"top_k must be >= 0 (0: off), got {params.top_k}"),
         (not 0 <= params.min_p <= 1, f"min_p must be in [0, 1], got {params.min_p}"),
         (params.repetition_penalty <= 0, f"repetition_penalty must be > 0, got {params.repetition_penalty}"),
+        (params.min_tokens < 0, f"min_tokens must be >= 0, got {params.min_tokens}"),
+        (
+            any(not 0 <= t < vocab_size for t, _ in params.logit_bias),
+            f"logit_bias names a token outside the vocabulary of {vocab_size}",
+        ),
         (
             params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS,
             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs}",
@@ -259,11 +270,15 @@ def request_problem(request: EngineRequest, vocab_size: int) -> str:
     return next((message for failed, message in checks if failed), "")
 
 
-def error_output(request: EngineRequest, problem: str) -> EngineOutput:
+INVALID_REQUEST = "invalid_request"  # GenerationOutput.error_kind of a request that is itself wrong
+
+
+def error_output(request: EngineRequest, problem: str, kind: str = "") -> EngineOutput:
     return EngineOutput(
         request_id=request.request_id,
         finish_reason="error",
         error=problem,
+        error_kind=kind,
         prompt_tokens=len(request.prompt_token_ids),
     )
 

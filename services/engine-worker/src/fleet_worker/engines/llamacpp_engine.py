@@ -59,6 +59,7 @@ from fleet_proto import SamplingParams
 from fleet_store.handoff import HandoffError, HandoffWriter, assemble, read_folder
 from fleet_store.kv import KVBlobError, WireTensor
 from fleet_worker.engines.base import (
+    INVALID_REQUEST,
     EngineOutput,
     EngineRequest,
     KVChanges,
@@ -69,6 +70,7 @@ from fleet_worker.engines.base import (
     physical_cores,
     request_problem,
 )
+from fleet_worker.engines.grammar import GRAMMAR_WAIT_S, GrammarError, Grammars
 from fleet_worker.engines.llamacpp_kv import (
     GGML_TYPES,
     PERMUTED_QK_ARCHITECTURES,
@@ -88,7 +90,7 @@ from fleet_worker.engines.llamacpp_weights import (
     served_gguf,
     use_extra_buffers,
 )
-from fleet_worker.engines.numpy_sampling import Sampler, log_softmax, penalized, token_logprob
+from fleet_worker.engines.numpy_sampling import RequestSampler, token_logprob
 from fleet_worker.probe import cpu_flags
 
 log = logging.getLogger("fleet_worker.llamacpp")
@@ -140,11 +142,10 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Sequence(RequestProgress):
-    sampler: Sampler
+    sampler: RequestSampler | None = None  # made at admission, once its grammar (if any) is compiled
     slot: _Slot | None = None
     fed: int = 0  # prompt tokens in the KV cache (the prompt is prefilled from here)
     pending: int = -1  # the last sampled token, to be fed on the next step
-    seen: list[int] = field(default_factory=list)  # prompt and completion (repetition penalty)
     admitted_at: float = 0.0
     apart: bool = False  # being prefilled in the prefill context
     started_apart: bool = False  # its reused prefix is in the prefill context
@@ -292,6 +293,7 @@ class LlamaCppEngine:
         self.max_batch_size = max_batch_size
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.eos_token_ids = frozenset(eos_token_ids(model_dir))
+        self._grammars = Grammars(model_dir, self.vocab_size, self.eos_token_ids)
         if on_load_progress is not None:
             on_load_progress(layers, layers)
         log.info("llama.cpp %s: %d layers, %d KV cells, %d threads", path.name, layers, self.n_ctx, threads)
@@ -381,10 +383,11 @@ class LlamaCppEngine:
         if problem:
             self._pending.append(error_output(request, problem))
             return
-        sequence = _Sequence(Sampler(request.sampling), request=request, seen=list(request.prompt_token_ids))
+        sequence = _Sequence(request=request)
+        if request.sampling.structured is not None and request.export is None:
+            self._grammars.start(request.sampling.structured)
         if forced >= 0:  # already sent: it counts, and the model reads it after the prompt
             sequence.forced, sequence.generated = forced, 1
-            sequence.seen.append(forced)
             if request.sampling.max_tokens <= 1:
                 self._pending.append(sequence.output(finish_reason="length"))
                 return
@@ -404,11 +407,15 @@ class LlamaCppEngine:
         return bool(self._pending or self._waiting or self._running)
 
     def step(self) -> list[EngineOutput]:
-        outputs, self._pending = self._pending, []
         self._steps += 1
         self._admit()
+        outputs, self._pending = self._pending, []
         if self._running:
             outputs += self._forward()
+        elif self._waiting and not outputs:  # only grammars compiling: wait for one, do not spin
+            spec = self._waiting[0].request.sampling.structured
+            if spec is not None:
+                self._grammars.wait(spec, GRAMMAR_WAIT_S)
         return outputs
 
     def take_kv_changes(self) -> KVChanges:
@@ -421,6 +428,7 @@ class LlamaCppEngine:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
+        self._grammars.close()
         if self._ctx:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
@@ -442,9 +450,39 @@ class LlamaCppEngine:
             sequence.slot.busy = False
             sequence.slot.last_used = self._steps
 
+    def _ready(self, sequence: _Sequence) -> bool:
+        """Give the sequence its sampler once its grammar is compiled (False while it compiles)."""
+        if sequence.sampler is not None:
+            return True
+        request = sequence.request
+        params, constraint = request.sampling, None
+        if params.structured is not None and request.export is None:
+            constraint = self._grammars.constraint(params.structured)
+            if constraint is None:
+                return False
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        prompt = request.prompt_token_ids
+        sequence.sampler = RequestSampler(params, self.vocab_size, prompt, stops, constraint)
+        if sequence.forced >= 0 and not sequence.sampler.accept(sequence.forced):
+            log.warning("request %s: the handed-over first token breaks its grammar", request.request_id)
+        return True
+
+    def _next_ready(self) -> _Sequence | None:
+        """The first waiting sequence that can start; one whose grammar does not compile ends here."""
+        for sequence in list(self._waiting):
+            try:
+                if self._ready(sequence):
+                    return sequence
+            except GrammarError as error:
+                self._waiting.remove(sequence)
+                self._end(sequence)
+                self._pending.append(
+                    sequence.output(finish_reason="error", error=str(error), error_kind=INVALID_REQUEST)
+                )
+        return None
+
     def _admit(self) -> None:
-        while self._waiting:
-            sequence = self._waiting[0]
+        while (sequence := self._next_ready()) is not None:
             free = [slot for slot in self._slots if not slot.busy]
             if not free:
                 return
@@ -454,7 +492,7 @@ class LlamaCppEngine:
             reuse = common_prefix(slot.tokens, prompt[:-1])
             if not self._make_room(sequence.reserved, keep=slot):
                 return
-            self._waiting.popleft()
+            self._waiting.remove(sequence)
             sequence.admitted_at = time.perf_counter()
             imported = 0
             if sequence.request.kv_import is not None:  # the slot's own KV gives way either way
@@ -619,20 +657,19 @@ class LlamaCppEngine:
         )
 
     def _sample(self, index: int, sequence: _Sequence) -> EngineOutput:
-        params = sequence.request.sampling
+        params, sampler = sequence.request.sampling, sequence.sampler
+        assert sampler is not None
         pointer = llama_cpp.llama_get_logits_ith(self._ctx, index)
         logits = np.ctypeslib.as_array(
             ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), (self.vocab_size,)
         )
-        if params.repetition_penalty != 1.0:
-            logits = penalized(logits, sequence.seen, params.repetition_penalty)
-        logprobs = log_softmax(logits)
-        token = sequence.sampler(logprobs)
+        logprobs = sampler.logprobs(logits)
+        token = sampler.draw(logprobs)
+        sampler.accept(token)
         now = time.perf_counter()
         if not sequence.first_token_at:
             sequence.prompt_time_s, sequence.first_token_at = now - sequence.admitted_at, now
         sequence.generated += 1
-        sequence.seen.append(token)
         sequence.pending = token
         finish_reason = ""
         if self._stops(token, params):

@@ -19,7 +19,8 @@ draw takes a key from the request's own random.Random(seed). So a seeded request
 same tokens on every run. Inside a batch it draws the same keys, but its logits come from a batched,
 padded forward pass that can differ from a single-stream one in the last bits: a token whose top
 candidates sit within float rounding of each other may then differ. Greedy requests share one
-batched argmax. Repetition penalty (mlx-lm's processor) covers the whole prompt and completion.
+batched argmax. The logit rules (grammar, min_tokens, logit_bias, penalties: mlx_sampling) are a
+logits processor of each request that asks for any.
 
 Stop: a request stops at one of its stop_token_ids or one of the model's EOS ids (config.json,
 generation_config.json, tokenizer). Like vLLM's text, token_ids never contain that stop token; like
@@ -29,10 +30,9 @@ vLLM's usage, completion_tokens counts it (it was generated). Output timings are
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,16 +43,8 @@ import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import greedy_sampler
 
-from fleet_proto import SamplingParams
-from fleet_proto.messages import TokenLogprob
 from fleet_store.handoff import (
     AssembledKV,
     HandoffError,
@@ -65,6 +57,7 @@ from fleet_store.handoff import (
 )
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder
 from fleet_worker.engines.base import (
+    INVALID_REQUEST,
     EngineOutput,
     EngineRequest,
     KVChanges,
@@ -78,58 +71,29 @@ from fleet_worker.engines.base import (
     request_problem,
 )
 from fleet_worker.engines.cpu_blas import optimised_blas_loaded
+from fleet_worker.engines.grammar import GRAMMAR_WAIT_S, GrammarError, Grammars
 from fleet_worker.engines.mlx_handoff import Export, RankWriter, apply_handoff, movable_problem
 from fleet_worker.engines.mlx_kv import MlxPrefixStore
 from fleet_worker.engines.mlx_pipeline import PipelineSpec, Ring, connect_layers, join_ring, load_shard
+from fleet_worker.engines.mlx_sampling import (
+    LogitRules,
+    Sampler,
+    make_seeded_sampler,
+    needs_rules,
+    token_logprob,
+)
 
 log = logging.getLogger("fleet_worker.mlx")
 
-Sampler = Callable[[mx.array], mx.array]
 CLEAR_CACHE_EVERY_STEPS = 256
-
-
-def make_seeded_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
-    """mlx-lm's sampler chain, drawing with keys from the request's own seeded generator."""
-    if params.temperature == 0:
-        return greedy_sampler
-    filters: list[Sampler] = []
-    if params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if 0 < params.top_k < vocab_size:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    draws = random.Random(params.seed)  # seed None: seeded from os.urandom
-    inverse_temperature = 1.0 / params.temperature
-
-    def sample(logprobs: mx.array) -> mx.array:
-        for apply in filters:
-            logprobs = apply(logprobs)
-        key = mx.random.key(draws.getrandbits(63))
-        return mx.random.categorical(logprobs * inverse_temperature, key=key)
-
-    return sample
 
 
 @dataclass(eq=False)
 class _Sequence(RequestProgress):
     uid: int
     sampler: Sampler
-    processors: list[Any]
     stop: StopSequences
-
-
-def token_logprob(logprobs: mx.array, token: int, k: int) -> TokenLogprob:
-    """The sampled token's log-probability and the k most likely tokens' (mlx-lm hands over the
-    whole log-softmax row of each step)."""
-    top_ids: list[int] = []
-    if k:
-        candidates = mx.argpartition(-logprobs, kth=k - 1)[:k]
-        top_ids = [int(i) for i in candidates[mx.argsort(-logprobs[candidates])].tolist()]
-    values = logprobs[mx.array([token, *top_ids])].astype(mx.float32).tolist()
-    return TokenLogprob(
-        token_id=token, logprob=values[0], top_ids=tuple(top_ids), top_logprobs=tuple(values[1:])
-    )
+    processors: list[Any] | None = None  # made when it is admitted, once its grammar is compiled
 
 
 def activation_dtype(model: Any) -> mx.Dtype:
@@ -244,6 +208,7 @@ class MlxEngine:
             # every rank must take the same requests the same way: one rank's problem is the pipeline's
             self._handoff_problem = self._handoff_problem or "another rank's cache cannot be handed over"
         self._greedy = self._shared(greedy_sampler)  # one object: greedy rows share one batched call
+        self._grammars = Grammars(model_dir, self.vocab_size, self.eos_token_ids)
 
     def add(self, request: EngineRequest) -> None:
         problem = request_problem(request, self.vocab_size)
@@ -268,18 +233,14 @@ class MlxEngine:
         if params.stop_token_ids or params.ignore_eos:
             eos = frozenset() if params.ignore_eos else self.eos_token_ids
             stop = StopSequences([[t] for t in sorted(eos | set(params.stop_token_ids))])
-        processors = []
-        if params.repetition_penalty != 1.0:
-            processors = make_logits_processors(
-                repetition_penalty=params.repetition_penalty,
-                repetition_context_size=len(request.prompt_token_ids) + params.max_tokens,
-            )
         sampler = (
             self._greedy
             if params.temperature == 0
             else self._shared(make_seeded_sampler(params, self.vocab_size))
         )
-        sequence = _Sequence(self._next_uid, sampler, processors, stop, request=request, fallback=fallback)
+        if params.structured is not None:
+            self._grammars.start(params.structured)
+        sequence = _Sequence(self._next_uid, sampler, stop, request=request, fallback=fallback)
         self._next_uid += 1
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
@@ -332,11 +293,13 @@ class MlxEngine:
                 outputs += self._drop_cancelled()
             if self._running:
                 outputs += self._decode()
-            admit = []
-            while self._waiting and len(self._running) + len(admit) < self.max_batch_size:
-                admit.append(self._waiting.popleft())
+            admit = self._take_ready(self.max_batch_size - len(self._running), outputs)
             if admit:
                 outputs += self._admit(admit)
+            elif self._waiting and not self._running and not outputs:  # only grammars compiling
+                spec = self._waiting[0].request.sampling.structured
+                if spec is not None:
+                    self._grammars.wait(spec, GRAMMAR_WAIT_S)
             if self._export is not None or self._export_queue:
                 outputs += self._export_step()
         self._steps += 1
@@ -344,7 +307,47 @@ class MlxEngine:
             mx.clear_cache()
         return outputs
 
+    def _ready(self, sequence: _Sequence) -> bool:
+        """Give the sequence its logit rules once its grammar is compiled (False while it compiles).
+        Pipeline ranks wait for it: every rank must admit the same requests in the same step."""
+        if sequence.processors is not None:
+            return True
+        request = sequence.request
+        params, constraint = request.sampling, None
+        if params.structured is not None:
+            if self.lockstep is not None:
+                self._grammars.wait(params.structured, timeout_s=None)
+            constraint = self._grammars.constraint(params.structured)
+            if constraint is None:
+                return False
+        sequence.processors = []
+        if needs_rules(params):
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            rules = LogitRules(params, self.vocab_size, request.prompt_token_ids, stops, constraint)
+            sequence.processors = [rules]
+        return True
+
+    def _take_ready(self, room: int, outputs: list[EngineOutput]) -> list[_Sequence]:
+        """Up to `room` waiting sequences that can start, in order; one whose grammar does not
+        compile ends with its error in `outputs`."""
+        ready: list[_Sequence] = []
+        for sequence in list(self._waiting):
+            if len(ready) >= room:
+                break
+            try:
+                if not self._ready(sequence):
+                    continue
+                ready.append(sequence)
+            except GrammarError as error:
+                self._live.pop(sequence.request.request_id, None)
+                outputs.append(
+                    sequence.output(finish_reason="error", error=str(error), error_kind=INVALID_REQUEST)
+                )
+            self._waiting.remove(sequence)
+        return ready
+
     def close(self) -> None:
+        self._grammars.close()
         self._batch = None
         self._running.clear()
         self._waiting.clear()

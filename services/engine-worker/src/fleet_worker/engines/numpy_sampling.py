@@ -1,37 +1,28 @@
 """Token sampling over one row of logits in numpy, for engines that hand Fleet raw logits (llama.cpp).
 
-The rules are the MLX engine's (mlx-lm's): repetition penalty on the logits of tokens seen in the
-prompt and completion, log-softmax, then top_p, min_p and top_k filters on the untempered
-log-probabilities, then a draw at the temperature; temperature 0 is argmax. Every draw takes a key
-from the request's own random.Random(seed), so a seeded request gives the same tokens on every run.
+The logit rules are vLLM's, on every engine (fleet_proto.SamplingParams says them): the grammar's
+mask, stop tokens barred before min_tokens, logit_bias, then the repetition penalty (prompt and
+completion), frequency and presence penalties (completion). Then log-softmax, top_p, min_p and top_k
+filters on the untempered log-probabilities (mlx-lm's order), and a draw at the temperature;
+temperature 0 is argmax. Every draw takes a key from the request's own random.Random(seed), so a
+seeded request gives the same tokens on every run.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from fleet_proto import SamplingParams
 from fleet_proto.messages import TokenLogprob
+from fleet_worker.engines.grammar import TokenConstraint
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float32) - np.max(logits)
+    shifted = logits.astype(np.float32) - np.max(logits)  # -inf entries (masked tokens) stay -inf
     return shifted - np.log(np.sum(np.exp(shifted)))
-
-
-def penalized(logits: np.ndarray, seen: Sequence[int], penalty: float) -> np.ndarray:
-    """mlx-lm's repetition penalty: a seen token's logit divided by the penalty (multiplied when
-    negative), each token once."""
-    if penalty == 1.0 or not seen:
-        return logits
-    ids = np.unique(np.asarray(seen, dtype=np.int64))
-    out = logits.astype(np.float32, copy=True)
-    values = out[ids]
-    out[ids] = np.where(values < 0, values * penalty, values / penalty)
-    return out
 
 
 def filtered(logprobs: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -51,19 +42,66 @@ def filtered(logprobs: np.ndarray, params: SamplingParams) -> np.ndarray:
     return np.where(keep, logprobs, -np.inf)
 
 
-class Sampler:
-    """One request's sampler: its parameters and its own seeded generator."""
+class RequestSampler:
+    """One request's sampling across its steps: the logit rules, then a seeded draw. `accept` every
+    token the request produces (sampled here, or handed over by a prefill engine) in order."""
 
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab_size: int,
+        prompt: Sequence[int],
+        stop_token_ids: Iterable[int],
+        constraint: TokenConstraint | None = None,
+    ) -> None:
+        self.params, self.constraint = params, constraint
+        self.generated = 0
         self._draws = random.Random(params.seed)  # seed None: seeded from os.urandom
+        self._stops = np.array(sorted({t for t in stop_token_ids if 0 <= t < vocab_size}), dtype=np.int64)
+        self._seen = np.zeros(vocab_size, dtype=bool)  # prompt and completion: repetition penalty
+        self._seen[np.asarray(prompt, dtype=np.int64)] = True
+        self._counts = np.zeros(vocab_size, dtype=np.float32)  # completion: frequency and presence
+        pairs = [(t, b) for t, b in params.logit_bias if 0 <= t < vocab_size]
+        self._bias_ids = np.array([t for t, _ in pairs], dtype=np.int64)
+        self._bias = np.array([b for _, b in pairs], dtype=np.float32)
 
-    def __call__(self, logprobs: np.ndarray) -> int:
+    def logprobs(self, logits: np.ndarray) -> np.ndarray:
+        """The log-probabilities the next token is drawn from (the rules applied to raw logits)."""
+        params = self.params
+        out = logits.astype(np.float32, copy=True)
+        if self.constraint is not None:
+            out[~self.constraint.allowed()] = -np.inf
+        if self.generated < params.min_tokens and self._stops.size:
+            barred = out.copy()
+            barred[self._stops] = -np.inf
+            if np.isfinite(barred).any():  # a grammar that allows only a stop token wins
+                out = barred
+        if self._bias_ids.size:
+            np.add.at(out, self._bias_ids, self._bias)
+        if params.repetition_penalty != 1.0:
+            values = out[self._seen]
+            out[self._seen] = np.where(
+                values < 0, values * params.repetition_penalty, values / params.repetition_penalty
+            )
+        if params.frequency_penalty:
+            out -= params.frequency_penalty * self._counts
+        if params.presence_penalty:
+            out -= params.presence_penalty * (self._counts > 0)
+        return log_softmax(out)
+
+    def draw(self, logprobs: np.ndarray) -> int:
         if self.params.temperature == 0:
             return int(np.argmax(logprobs))
         scaled = filtered(logprobs, self.params) / self.params.temperature
         gumbel = np.random.default_rng(self._draws.getrandbits(63)).gumbel(size=scaled.shape)
         return int(np.argmax(scaled + gumbel))  # Gumbel-max: a draw from softmax(scaled)
+
+    def accept(self, token: int) -> bool:
+        """Count a produced token; False when the grammar refuses it (its state is then unchanged)."""
+        self.generated += 1
+        self._seen[token] = True
+        self._counts[token] += 1
+        return self.constraint is None or self.constraint.accept(token)
 
 
 def token_logprob(logprobs: np.ndarray, token: int, k: int) -> TokenLogprob:

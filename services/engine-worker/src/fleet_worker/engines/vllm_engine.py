@@ -5,9 +5,10 @@ continuous batching and chunked prefill); the engine core runs in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the engine registry before vLLM is imported), so the
 worker's engine child is the only process and its death is the engine's death.
 
-vLLM never sees text: the tokenizer is not even loaded (skip_tokenizer_init), outputs come as
-deltas of token ids, and the stop token that vLLM keeps in its output is dropped here (counted in
-completion_tokens) like the MLX engine does. Prompt KV goes through Fleet's KV connector
+vLLM never sees text: its tokenizer is loaded only for structured outputs (vLLM's grammar backend
+needs its vocabulary), outputs come as deltas of token ids with detokenize off, and the stop token
+that vLLM keeps in its output is dropped here (counted in completion_tokens) like the MLX engine
+does. Prompt KV goes through Fleet's KV connector
 (vllm_connector.py) when the engine is given a `kv_dir`: it saves each finished prompt block in the
 Fleet wire format and loads matching prefix blocks so vLLM skips recomputing them. Disaggregation
 uses the same connector: a prefill-only request's KV leaves layer by layer as handoff chunks, and a
@@ -33,13 +34,14 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from fleet_proto import HandoffStats
 from fleet_store.handoff import HandoffError, assemble, handoff_blocks, read_folder
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder, folder_fingerprint
 from fleet_worker.engines.base import (
+    INVALID_REQUEST,
     EngineOutput,
     EngineRequest,
     KVChanges,
@@ -49,7 +51,12 @@ from fleet_worker.engines.base import (
     request_problem,
 )
 from fleet_worker.engines.vllm_loader import register_progress_loader
-from fleet_worker.engines.vllm_sampling import emitted_tokens, token_logprobs, vllm_sampling_kwargs
+from fleet_worker.engines.vllm_sampling import (
+    emitted_tokens,
+    structured_outputs_fields,
+    token_logprobs,
+    vllm_sampling_kwargs,
+)
 
 CONNECTOR_MODULE = "fleet_worker.engines.vllm_connector"
 CONNECTOR_CLASS = "FleetKVConnector"
@@ -135,7 +142,9 @@ class VllmEngine:
             # format the worker serves only once calibration measured it within the quality budget
             # (SmolLM2-135M in bf16: top-1 0.973 against f32, outside the default budget).
             "dtype": dtype or ("float32" if on_cpu else "auto"),
-            "skip_tokenizer_init": True,
+            "skip_tokenizer_init": False,  # vLLM's structured outputs need the vocabulary
+            # the grammar library of Fleet's own samplers (grammar.py): one language on every engine
+            "structured_outputs_config": {"backend": "xgrammar"},
             "load_format": load_format,
             "enforce_eager": True,
             "max_num_seqs": max_batch_size,
@@ -195,14 +204,21 @@ class VllmEngine:
             }
         # a handoff's blocks go to the KV folder first: the connector looks for them at admission
         fallback = self._import(request) if request.kv_import is not None else ""
+        structured = request.sampling.structured
         try:
+            if structured is not None:
+                kwargs["structured_outputs"] = StructuredOutputsParams(
+                    **structured_outputs_fields(structured)
+                )
             params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
             self._engine.add_request(
                 request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params
             )
         except Exception as error:  # vLLM's own validation: the request fails, the engine runs on
             self._imported.pop(request.request_id, None)
-            self._pending.append(error_output(request, _describe(error)))
+            # a ValueError is vLLM refusing the request itself (a grammar that does not compile...)
+            kind = INVALID_REQUEST if isinstance(error, ValueError) else ""
+            self._pending.append(error_output(request, _describe(error), kind))
             return
         stop_ids = frozenset(kwargs["stop_token_ids"])
         self._live[request.request_id] = _Sequence(request, stop_ids, time.perf_counter(), fallback=fallback)

@@ -1,10 +1,12 @@
 """Fleet SamplingParams -> the keyword arguments of vLLM's SamplingParams (pure: no vLLM import).
 
-As the seed maps them: temperature, top_p, top_k (0 is off in both), min_p, seed,
-repetition_penalty and logprobs pass through; max_tokens is clamped to what the context has room
-for; the stop token ids are the request's plus the model's EOS ids (config.json and
-generation_config.json may list several, e.g. Llama 3's <|eot_id|>). Engines are token-in,
-token-out, so vLLM never detokenizes (the gateway does) and stop strings never reach it.
+As the seed maps them: temperature, top_p, top_k (0 is off in both), min_p, seed, the penalties,
+logit_bias, min_tokens and logprobs pass through (Fleet's SamplingParams has vLLM's meanings);
+max_tokens is clamped to what the context has room for; the stop token ids are the request's plus
+the model's EOS ids (config.json and generation_config.json may list several, e.g. Llama 3's
+<|eot_id|>). A StructuredOutput reaches vLLM as the EBNF Fleet's own samplers compile (grammar.py),
+through vLLM's xgrammar backend. Engines are token-in, token-out,
+so vLLM never detokenizes (the gateway does) and stop strings never reach it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from fleet_proto import SamplingParams
+from fleet_proto import SamplingParams, StructuredOutput
 from fleet_proto.messages import TokenLogprob
+
+
+def structured_outputs_fields(spec: StructuredOutput) -> dict[str, Any]:
+    """The keyword arguments of vLLM's StructuredOutputsParams for a Fleet spec: the EBNF Fleet's own
+    samplers compile (grammar.ebnf_of), or the structural tag; GrammarError when it does not convert."""
+    from fleet_worker.engines.grammar import ebnf_of, spec_kind
+
+    if spec_kind(spec) == "structural_tag":
+        return {"structural_tag": spec.structural_tag}
+    return {"grammar": ebnf_of(spec)}
 
 
 def vllm_sampling_kwargs(
@@ -28,6 +40,10 @@ def vllm_sampling_kwargs(
         "top_k": params.top_k,
         "min_p": params.min_p,
         "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "logit_bias": {token: bias for token, bias in params.logit_bias} or None,
+        "min_tokens": params.min_tokens,
         "seed": params.seed,
         "stop_token_ids": stop_ids,
         "ignore_eos": params.ignore_eos,
