@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -247,3 +248,63 @@ def engine_children(worker_pid: int) -> list[int]:
             if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
                 pids.append(child.pid)
     return pids
+
+
+# ---- structured outputs: one check every engine's stack runs (issue 39)
+
+BOUNDED_SCHEMA = {  # short whatever the model: a tiny random one ends it well within 80 tokens
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "capital": {"type": "boolean"},
+        "rivers": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["city", "capital", "rivers"],
+    "additionalProperties": False,
+}
+ASK_JSON = [
+    {"role": "user", "content": "Describe Paris as JSON: its name, whether it is a capital, its rivers."}
+]
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "city", "schema": BOUNDED_SCHEMA, "strict": True},
+}
+
+
+def fifty_schema_samples(gateway: str, model: str, max_tokens: int = 80) -> list[str]:
+    """50 completions at temperature 1 under BOUNDED_SCHEMA: 25 through the `openai` client (n=5,
+    five seeds), 25 through the `ollama` client; each asserted to have ended by itself."""
+    import ollama
+    import openai
+
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def openai_choices(seed: int) -> list[str]:
+        reply = client.chat.completions.create(
+            model=model, messages=ASK_JSON, temperature=1.0, seed=seed, n=5, max_tokens=max_tokens,
+            response_format=SCHEMA_FORMAT,
+        )  # fmt: skip
+        assert {c.finish_reason for c in reply.choices} == {"stop"}, reply
+        return [c.message.content for c in reply.choices]
+
+    def ollama_text(seed: int) -> str:
+        options = {"temperature": 1.0, "seed": seed, "num_predict": max_tokens}
+        reply = ollama.Client(host=gateway).chat(
+            model=model, messages=ASK_JSON, format=BOUNDED_SCHEMA, options=options
+        )
+        assert reply.done_reason == "stop", reply
+        return reply.message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = [text for choices in pool.map(openai_choices, range(5)) for text in choices]
+        texts += list(pool.map(ollama_text, range(100, 125)))
+    return texts
+
+
+def assert_all_validate(texts: list[str]) -> None:
+    import jsonschema
+
+    assert len(texts) == 50
+    for text in texts:
+        jsonschema.validate(json.loads(text), BOUNDED_SCHEMA)
+    assert len(set(texts)) > 5  # temperature 1: samples, not one answer

@@ -25,8 +25,10 @@ from tests.support import (
     MESSAGES,
     MODEL,
     TokenTap,
+    assert_all_validate,
     disconnect_mid_stream,
     embedded_stack,
+    fifty_schema_samples,
     frames_until_done,
     make_chat_model,
     mlx_greedy,
@@ -318,3 +320,8 @@ async def test_admin_errors_are_openai_shaped(chat_stack, method, path, body, st
             error = (await response.json())["error"]
     assert error["param"] == param
     assert error["message"]
+
+
+def test_fifty_samples_under_a_json_schema_all_validate(client, chat_stack) -> None:
+    """The tiny random model writes nonsense, always in the schema's shape (the grammar's mask)."""
+    assert_all_validate(fifty_schema_samples(chat_stack.gateway_url, MODEL))

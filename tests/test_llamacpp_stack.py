@@ -14,7 +14,6 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -30,11 +29,16 @@ from fleet_downloader.sources import locate, parse_source
 from fleet_local import stack
 from fleet_local.processes import spawn, stop_pid
 from tests.support import (
+    ASK_JSON,
+    BOUNDED_SCHEMA,
     REPO,
+    SCHEMA_FORMAT,
     TokenTap,
+    assert_all_validate,
     call,
     disconnect_mid_stream,
     embedded_stack,
+    fifty_schema_samples,
     load_module,
     until_ready,
     until_state,
@@ -171,52 +175,11 @@ def test_kv_prefilled_on_another_worker_decodes_like_a_colocated_run(cluster: st
 
 # ---- structured outputs and the sampling API (issue 39), through the official clients
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "capital": {"type": "boolean"},
-        "rivers": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["city", "capital", "rivers"],
-    "additionalProperties": False,
-}
-JSON_SCHEMA_FORMAT = {
-    "type": "json_schema",
-    "json_schema": {"name": "city", "schema": SCHEMA, "strict": True},
-}
-ASK_JSON = [
-    {"role": "user", "content": "Describe Paris as JSON: its name, whether it is a capital, its rivers."}
-]
-
 
 def test_fifty_samples_under_a_json_schema_all_validate_through_openai_and_ollama(
     cluster: stack.StackManifest,
 ) -> None:
-    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused")
-    ollama_client = ollama.Client(host=cluster.gateway_url)
-
-    def openai_choices(seed: int) -> list[str]:
-        reply = client.chat.completions.create(
-            model=DEFAULT_MODEL_ID, messages=ASK_JSON, temperature=1.0, seed=seed, n=8, max_tokens=80,
-            response_format=JSON_SCHEMA_FORMAT,
-        )  # fmt: skip
-        assert {c.finish_reason for c in reply.choices} == {"stop"}, reply
-        return [c.message.content for c in reply.choices]
-
-    def ollama_text(seed: int) -> str:
-        options = {"temperature": 1.0, "seed": seed, "num_predict": 80}
-        return ollama_client.chat(
-            model=DEFAULT_MODEL_ID, messages=ASK_JSON, format=SCHEMA, options=options
-        ).message.content
-
-    with ThreadPoolExecutor(4) as pool:
-        texts = [t for choices in pool.map(openai_choices, range(3)) for t in choices]
-        texts += list(pool.map(ollama_text, range(100, 126)))
-    assert len(texts) == 50
-    for text in texts:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    assert len(set(texts)) > 5  # temperature 1: samples, not one answer
+    assert_all_validate(fifty_schema_samples(cluster.gateway_url, DEFAULT_MODEL_ID))
 
 
 def test_every_client_way_of_asking_for_json(cluster: stack.StackManifest) -> None:
@@ -237,9 +200,9 @@ def test_every_client_way_of_asking_for_json(cluster: stack.StackManifest) -> No
     assert re.fullmatch("75[0-9]{3}", text.choices[0].text)
     response = client.responses.create(
         model=DEFAULT_MODEL_ID, input=ASK_JSON[0]["content"], max_output_tokens=80, temperature=0.7,
-        text={"format": {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}},
+        text={"format": {"type": "json_schema", "name": "city", "schema": BOUNDED_SCHEMA, "strict": True}},
     )  # fmt: skip
-    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    jsonschema.validate(json.loads(response.output_text), BOUNDED_SCHEMA)
     generated = ollama.Client(host=cluster.gateway_url).generate(
         model=DEFAULT_MODEL_ID,
         prompt="Give a JSON object about Paris.",
@@ -248,7 +211,7 @@ def test_every_client_way_of_asking_for_json(cluster: stack.StackManifest) -> No
     )
     assert isinstance(json.loads(generated.response), dict)
     cut = client.chat.completions.create(
-        messages=ASK_JSON, response_format=JSON_SCHEMA_FORMAT, **common | {"max_tokens": 4}
+        messages=ASK_JSON, response_format=SCHEMA_FORMAT, **common | {"max_tokens": 4}
     )
     assert cut.choices[0].finish_reason == "length"  # cut inside the object, as OpenAI ends it
 
@@ -343,7 +306,7 @@ def test_a_vllm_prefill_sends_the_first_token_and_llama_cpp_decodes_on_from_it(
 def test_a_vllm_prefill_samples_the_first_token_under_the_schema_too(cluster: stack.StackManifest) -> None:
     """After the test above: w2's prefill partner is vLLM, which samples the first token."""
     body = {"model": DEFAULT_MODEL_ID, "messages": ASK_JSON, "max_tokens": 80, "temperature": 1.0}
-    body |= {"disaggregated": True, "transport": "stream", "response_format": JSON_SCHEMA_FORMAT}
+    body |= {"disaggregated": True, "transport": "stream", "response_format": SCHEMA_FORMAT}
 
     async def samples() -> list[dict]:
         async with aiohttp.ClientSession() as session:
@@ -356,4 +319,4 @@ def test_a_vllm_prefill_samples_the_first_token_under_the_schema_too(cluster: st
 
     for reply in asyncio.run(samples()):
         assert reply["generation_stats"]["handoff"]["first_token"], reply["generation_stats"]
-        jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)
+        jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), BOUNDED_SCHEMA)

@@ -29,8 +29,10 @@ from fleet_store.kv_index import TIER2, KVIndex
 from tests.support import (
     REPO,
     TokenTap,
+    assert_all_validate,
     disconnect_mid_stream,
     embedded_stack,
+    fifty_schema_samples,
     make_chat_model,
     mlx_greedy,
     prompt_ids,
@@ -254,3 +256,8 @@ def load_manifest_of(manifest: stack.StackManifest, model: str):
         return load_manifest(store, "fleet-models", model, "main")
     finally:
         store.close()
+
+
+def test_fifty_samples_under_a_json_schema_all_validate(client, vllm_stack) -> None:
+    """The tiny random model writes nonsense, always in the schema's shape (the grammar's mask)."""
+    assert_all_validate(fifty_schema_samples(vllm_stack.gateway_url, MODEL))

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from fleet_downloader.sources import locate, parse_source
 from fleet_proto import SamplingParams, StructuredOutput
 from fleet_worker.engines.base import INVALID_REQUEST, EngineOutput, EngineRequest
-from fleet_worker.engines.grammar import choice_grammar, spec_kind
+from fleet_worker.engines.grammar import choice_grammar, ebnf_of, spec_kind
 from fleet_worker.engines.llamacpp_engine import LlamaCppEngine
 from fleet_worker.engines.mlx_engine import MlxEngine
 from fleet_worker.engines.mlx_sampling import LogitRules
@@ -73,6 +73,15 @@ def test_a_spec_names_its_one_constraint_and_choices_are_escaped() -> None:
     assert spec_kind(StructuredOutput(regex="a+", json_object=True)) == ""
     assert spec_kind(StructuredOutput()) == ""
     assert choice_grammar(['say "hi"', "a\\b"]) == r'root ::= "say \"hi\"" | "a\\b"'
+
+
+def test_bounded_json_strings_refuse_control_characters_as_json_does() -> None:
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    grammar = Grammar.from_ebnf(ebnf_of(StructuredOutput(json_schema=json.dumps(SCHEMA))))
+    assert accepts(grammar, '{"city": "Paris", "answer": "yes", "count": 3}')
+    assert not accepts(grammar, '{"city": "Pa\x1fris", "answer": "yes", "count": 3}')
 
 
 # ---- MLX on a tiny random model
