@@ -97,3 +97,17 @@ def test_grammar_mask_walks_a_document_with_both_libraries(tmp_path: Path) -> No
         for grammar in side["grammars"].values():  # every token of the valid document was accepted
             assert positive(grammar["compile_ms"]) and positive(grammar["mask"]["p50_us"])
     assert positive(result["apply_mask"]["numpy_us"])
+
+
+def test_structured_pairs_constrained_and_free_rounds_with_ratios(tmp_path: Path) -> None:
+    result = bench("structured", tmp_path, "--tiny", "--engines", "mlx", "--concurrency", "1,2",
+                   "--rounds", "2", "--prompt-tokens", "16", "--gen-tokens", "8")  # fmt: skip
+    assert all(positive(ms) for ms in result["compile"].values())
+    mlx = result["engines"]["mlx"]
+    assert positive(mlx["cold_first_constrained_ttft_s"])
+    for label in ("1 streams", "2 streams"):
+        entry = mlx[label]
+        for side in ("free", "constrained"):
+            assert entry[side]["errors"] == 0, entry[side]["error_examples"]
+            assert entry[side]["rounds"] == 2
+        assert positive(entry["decode_tps_ratio"]["median"]) and positive(entry["ttft_ratio"]["median"])

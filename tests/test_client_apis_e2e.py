@@ -5,11 +5,13 @@ tools, tool calls and tool results Hermes-style: a random model never closes the
 output must arrive as reasoning (reasoning_content, thinking blocks, reasoning items, `thinking`);
 tool definitions and results reach the prompt through the template (the usage counts exactly the
 template's rendering); errors come in each client's shape; a quantized name is served by the same
-base model."""
+base model; forced tool calls (tool_choice) come back parsed. One file past ~450 lines because every
+test shares one stack (~30 s to start), which a split would start twice."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -441,3 +443,85 @@ def test_logprobs_of_chat_and_text_completions(thinker) -> None:
     )
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+# Bounded arguments (an enum, a small integer, a boolean) so that only the constraint decides whether
+# a call comes: a random model may spell a call one byte a token (~100 tokens for forecast, ~85 for
+# alarm, with the whitespace it may add), and max_tokens leaves room for that beside the rendered
+# tools in the model's 512 positions.
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "required": ["unit", "days"],
+}
+ALARM = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "forecast", "parameters": FORECAST}},
+    {"type": "function", "function": {"name": "alarm", "parameters": ALARM}},
+]
+
+
+def valid_call(name: str, arguments: dict) -> bool:
+    if name == "alarm":
+        return set(arguments) == {"on"} and isinstance(arguments["on"], bool)
+    days = arguments.get("days")
+    return name == "forecast" and arguments.get("unit") in ("c", "f") and 1 <= days <= 5
+
+
+def test_tool_choice_required_always_yields_a_call_within_the_schema(thinker) -> None:
+    manifest, _ = thinker
+    client = openai.OpenAI(base_url=f"{manifest.gateway_url}/v1", api_key="unused", max_retries=0)
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=FORCED_TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=120,
+            temperature=1,
+            seed=seed,
+        )
+        [choice] = reply.choices
+        assert choice.finish_reason == "tool_calls", (seed, choice)
+        [call] = choice.message.tool_calls
+        assert valid_call(call.function.name, json.loads(call.function.arguments)), (seed, call)
+
+
+def test_tool_choice_naming_a_function_calls_only_it(thinker) -> None:
+    manifest, _ = thinker
+    client = openai.OpenAI(base_url=f"{manifest.gateway_url}/v1", api_key="unused", max_retries=0)
+    choice = {"type": "function", "function": {"name": "alarm"}}
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=FORCED_TOOLS,
+        tool_choice=choice,
+        max_tokens=100,
+        temperature=1,
+        seed=11,
+        stream=True,
+    )
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    calls = [call.function for delta in deltas for call in delta.tool_calls or []]
+    # parallel calls allowed: one or more, each of alarm (a last one max_tokens cut stays text)
+    assert calls and all(valid_call(c.name, json.loads(c.arguments)) and c.name == "alarm" for c in calls)
+
+
+def test_anthropic_tool_choice_any_yields_a_tool_use_block(thinker) -> None:
+    manifest, _ = thinker
+    client = anthropic.Anthropic(base_url=manifest.gateway_url, api_key="unused", max_retries=0)
+    tools = [{"name": "alarm", "input_schema": ALARM}]  # both tools would leave too little room
+    reply = client.messages.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=tools,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        max_tokens=120,
+        extra_body={"temperature": 1},
+    )
+    [block] = [block for block in reply.content if block.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and valid_call(block.name, block.input)

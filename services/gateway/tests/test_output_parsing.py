@@ -105,6 +105,10 @@ def test_a_hermes_call_that_does_not_parse_stays_in_the_content(text: str) -> No
             [("a", {}), ("b", {"x": 1})],
         ),
         ('[{"name": "a", "arguments": {"k": [1, 2]}}]', [("a", {"k": [1, 2]})]),
+        (  # a ";" inside a string does not split the calls
+            '{"name": "a", "parameters": {"q": "x; y"}}; {"name": "b", "parameters": {}}',
+            [("a", {"q": "x; y"}), ("b", {})],
+        ),
     ],
 )
 def test_json_tool_calls(text: str, expected) -> None:
@@ -112,7 +116,9 @@ def test_json_tool_calls(text: str, expected) -> None:
     assert calls(delta) == expected and delta.content == ""
 
 
-@pytest.mark.parametrize("text", ["Hello there, {name}!", '{"not": "a call"}', "{broken", "<|python"])
+@pytest.mark.parametrize(
+    "text", ["Hello there, {name}!", '{"not": "a call"}', "{broken", "<|python", "<|python_tag|>", "[]"]
+)
 def test_json_that_is_no_call_is_content(text: str) -> None:
     delta = parsed_every_way(PARSERS["json"], text)
     assert delta.tool_calls == [] and delta.content == text

@@ -21,10 +21,11 @@ from fleet_gateway.errors import ApiError, anthropic_error_body, decode_json_bod
 from fleet_gateway.frames import SSE, Finished, sse_event
 from fleet_gateway.parsing.output import Delta, ToolCall
 from fleet_gateway.sampling import SamplingAsk
+from fleet_gateway.tool_grammar import ForcedCalls, forced_calls
 from fleet_gateway.turns import ChatTurn
 
 ROLES = ("user", "assistant")
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "any", "tool")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -80,9 +81,7 @@ def parse_messages_request(body: bytes) -> MessagesRequest:
         raise _bad("top_p", f"top_p: {req.top_p} must be in (0, 1]")
     if req.top_k is not None and req.top_k < 0:
         raise _bad("top_k", f"top_k: {req.top_k} must be >= 0")
-    choice = (req.tool_choice or {}).get("type", "auto")
-    if choice not in TOOL_CHOICES:
-        raise _bad("tool_choice", f'tool_choice "{choice}" is not supported (only "auto" and "none").')
+    forced_tool_calls(req)  # for its 400s
     return req
 
 
@@ -176,6 +175,23 @@ def template_tools(tools: list[dict[str, Any]] | None, tool_choice: dict[str, An
     return rendered
 
 
+def forced_tool_calls(req: MessagesRequest) -> ForcedCalls | None:
+    """tool_choice {"type": "any"} (calls of any tool) or {"type": "tool", "name": f} (a call of f):
+    one call with disable_parallel_tool_use. None for "auto" and "none"."""
+    choice = req.tool_choice or {}
+    kind = choice.get("type", "auto")
+    if kind not in TOOL_CHOICES:
+        expected = ", ".join(f'"{k}"' for k in TOOL_CHOICES)
+        raise _bad("tool_choice", f'tool_choice.type: "{kind}" is not one of {expected}')
+    if kind in ("auto", "none"):
+        return None
+    name = choice.get("name") if kind == "tool" else None
+    if kind == "tool" and not isinstance(name, str):
+        raise _bad("tool_choice.name", 'tool_choice.name: Field required for "type": "tool"')
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    return forced_calls(template_tools(req.tools, req.tool_choice), name, parallel, "tool_choice")
+
+
 def chat_turn(req: MessagesRequest) -> ChatTurn:
     ask = SamplingAsk(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k
@@ -186,6 +202,7 @@ def chat_turn(req: MessagesRequest) -> ChatTurn:
         sampling=ask,
         stops=[stop for stop in req.stop_sequences or [] if stop],
         tools=template_tools(req.tools, req.tool_choice),
+        forced=forced_tool_calls(req),
     )
 
 

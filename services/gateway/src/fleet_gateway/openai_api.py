@@ -21,9 +21,10 @@ from fleet_gateway.openai_sampling import SamplingFields, validate_sampling
 from fleet_gateway.openai_sampling import sampling_ask as shared_sampling_ask
 from fleet_gateway.parsing.output import Delta, TokenScore
 from fleet_gateway.sampling import SamplingAsk
+from fleet_gateway.tool_grammar import ForcedCalls, forced_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TOOL_CHOICES = ("none", "auto")
+TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOP_LOGPROBS = 20
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -104,12 +105,7 @@ def validate_chat_request(req: ChatCompletionRequest) -> None:
             f"tools[{index}]",
             f'Invalid \'tools[{index}]\': expected {{"type": "function", "function": {{"name": ...}}}}.',
         )
-    if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
-        raise ApiError(
-            400,
-            'Only \'tool_choice\' "auto" and "none" are supported yet.',
-            param="tool_choice",
-        )
+    chat_forced_calls(req)  # for its 400s
 
 
 def _validate_message(index: int, message: ChatMessage) -> None:
@@ -185,6 +181,36 @@ def tools_for_template(req: ChatCompletionRequest) -> list[dict[str, Any]] | Non
     return req.tools
 
 
+def chat_forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:
+    """tool_choice "required" (calls of any tool) or {"type": "function", "function": {"name": f}}
+    (a call of f): one call when parallel_tool_calls is false. None for "auto" and "none"."""
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        return forced_calls(req.tools, None, parallel, "tool_choice")
+    name = _named_function(choice)
+    if name is None:
+        raise ApiError(
+            400,
+            f"Invalid 'tool_choice': {json.dumps(choice)}; expected one of {', '.join(TOOL_CHOICES)} or "
+            '{"type": "function", "function": {"name": ...}}.',
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return forced_calls(req.tools, name, parallel, "tool_choice")
+
+
+def _named_function(choice: str | dict[str, Any]) -> str | None:
+    """f of {"type": "function", "function": {"name": f}}; None for any other choice."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def tool_call_items(calls) -> list[dict[str, Any]]:
     """Parsed tool calls as OpenAI's message.tool_calls."""
     return [
@@ -250,7 +276,9 @@ def chat_choice(index: int, text: Delta, finish_reason: str) -> dict[str, Any]:
     if text.reasoning:
         message["reasoning_content"] = text.reasoning
     if text.tool_calls:
-        message |= {"content": text.content or None, "tool_calls": tool_call_items(text.tool_calls)}
+        # the whitespace a tool-call format leaves around its calls is no content (OpenAI: null)
+        content = text.content if text.content.strip() else None
+        message |= {"content": content, "tool_calls": tool_call_items(text.tool_calls)}
         finish_reason = "tool_calls"
     logprobs = chat_logprobs(text.logprobs) if text.logprobs else None
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -65,6 +65,7 @@ def chat_turn(req: oai.ChatCompletionRequest) -> ChatTurn:
         sampling=oai.sampling_ask(req),
         stops=oai.stop_strings(req),
         tools=oai.tools_for_template(req),
+        forced=oai.chat_forced_calls(req),
     )
 
 

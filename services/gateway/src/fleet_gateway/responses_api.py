@@ -21,9 +21,9 @@ from fleet_gateway import structured
 from fleet_gateway.content import NotText, joined_text
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.frames import SSE, Finished, sse_event
-from fleet_gateway.openai_api import TOOL_CHOICES
 from fleet_gateway.parsing.output import Delta, ToolCall
 from fleet_gateway.sampling import SamplingAsk, check_sampling
+from fleet_gateway.tool_grammar import ForcedCalls, forced_calls
 from fleet_gateway.turns import ChatTurn
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -70,11 +70,10 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
         )
     if req.top_logprobs:
         raise _bad("top_logprobs", "'top_logprobs' is not supported yet.")
-    if req.tool_choice is not None and req.tool_choice not in TOOL_CHOICES:
-        raise _bad("tool_choice", 'Only \'tool_choice\' "auto" and "none" are supported.')
     for index, tool in enumerate(req.tools or []):
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
             raise _bad(f"tools[{index}]", f"tools[{index}]: only function tools with a name are supported.")
+    responses_forced_calls(req)  # for its 400s
     check_sampling(sampling_ask(req))
     return req
 
@@ -151,8 +150,27 @@ def template_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
     return [{"type": "function", "function": {k: t[k] for k in fields if k in t}} for t in req.tools]
 
 
+def responses_forced_calls(req: ResponsesRequest) -> ForcedCalls | None:
+    """tool_choice "required" (calls of any tool) or {"type": "function", "name": f} (a call of f):
+    one call when parallel_tool_calls is false. None for "auto" and "none"."""
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        return forced_calls(template_tools(req), None, parallel, "tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return forced_calls(template_tools(req), choice["name"], parallel, "tool_choice")
+    raise _bad(
+        "tool_choice",
+        f'Invalid \'tool_choice\': {json.dumps(choice)}; expected "auto", "none", "required" or '
+        '{"type": "function", "name": ...}.',
+    )
+
+
 def chat_turn(req: ResponsesRequest) -> ChatTurn:
-    return ChatTurn(req.model, template_messages(req), sampling_ask(req), [], template_tools(req))
+    forced = responses_forced_calls(req)
+    return ChatTurn(req.model, template_messages(req), sampling_ask(req), [], template_tools(req), forced)
 
 
 # ---------------------------------------------------------------- responses

@@ -46,6 +46,7 @@ from fleet_gateway.sampling import (
 )
 from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
+from fleet_gateway.tool_grammar import ForcedCalls, with_forced_calls
 from fleet_proto import SamplingParams, TokenChunk
 from fleet_proto.messages import TokenLogprob
 from fleet_runtime.tracing import Tracing
@@ -61,6 +62,7 @@ class ChatTurn:
     sampling: SamplingAsk
     stops: list[str] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools ({"type": "function", ...})
+    forced: ForcedCalls | None = None  # a tool choice that allows only calls
 
 
 class TextStep:
@@ -312,12 +314,13 @@ class Turns:
             text = render_prompt(model, turn.messages, turn.tools)
             prompt = model.tokenizer.encode(text)
             span.set_attribute("fleet.prompt_tokens", len(prompt))
+        ask = with_forced_calls(turn.sampling, turn.forced, formats, text) if turn.forced else turn.sampling
         return Prepared(
             model,
             prompt,
-            self.sampling(model, turn.sampling, len(prompt)),
+            self.sampling(model, ask, len(prompt)),
             partial(TextStep, model, turn.stops, text, formats),
-            _constraint_param(turn.sampling),
+            _constraint_param(ask),
         )
 
     def prepare_text(

@@ -130,6 +130,19 @@ def dsml_parser() -> TaggedCalls:
 PYTHON_TAG = "<|python_tag|>"
 
 
+def json_values(text: str) -> list[object]:
+    """The JSON values of `text`, one after another, ";"-separated or not (a ";" inside a string
+    is part of it, which splitting on ";" would break). ValueError when one is not JSON."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return values
+        value, at = decoder.raw_decode(text, at)
+        values.append(value)
+
+
 class JsonCalls:
     """A message that is a JSON tool call (or several, ";"-separated) instead of an answer: held
     until the end once it starts like one, streamed as content otherwise."""
@@ -158,19 +171,17 @@ class JsonCalls:
         body = held.strip().removeprefix(PYTHON_TAG).strip()
         calls = []
         try:
-            parsed = json.loads(body)
-            objects = parsed if isinstance(parsed, list) else [parsed]
+            objects = json_values(body)
         except ValueError:
-            try:
-                objects = [json.loads(part) for part in body.split(";") if part.strip()]
-            except ValueError:
-                return Delta(content=held)
+            return Delta(content=held)
+        if len(objects) == 1 and isinstance(objects[0], list):
+            objects = objects[0]
         for obj in objects:
             call = _json_call(obj)
             if call is None:
                 return Delta(content=held)
             calls.append(call)
-        return Delta(tool_calls=calls)
+        return Delta(tool_calls=calls) if calls else Delta(content=held)
 
 
 PARSERS = {"hermes": hermes_parser, "json": JsonCalls, "dsml": dsml_parser, HARMONY: HarmonyParser}
