@@ -110,7 +110,7 @@ INVALID = [
     (MESSAGES, {"model": "no/such-model", "messages": HELLO, "max_tokens": 4, "stream": True}, 404),
     (OLLAMA_CHAT, {"model": "no/such-model", "messages": HELLO}, 404),
     (OLLAMA_CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    (OLLAMA_GENERATE, {"model": MODEL, "prompt": "hi", "format": "json"}, 400),
+    (OLLAMA_GENERATE, {"model": MODEL, "prompt": "hi", "format": {"type": 5}}, 400),  # not a schema
 ]
 
 
