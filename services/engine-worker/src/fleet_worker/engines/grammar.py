@@ -129,8 +129,8 @@ class TokenConstraint:
         if self.terminated:
             return np.ones(self._vocab_size, dtype=bool)
         self._matcher.fill_next_token_bitmask(self._bitmask)
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        return bits[: self._vocab_size].astype(bool)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little", count=self._vocab_size)
+        return bits.view(bool)
 
     def accept(self, token: int) -> bool:
         """Advance past a token (False: the grammar refuses it, or it ended; the state is unchanged)."""
