@@ -204,6 +204,11 @@ def test_stop_string_cuts_the_text(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_fifty_samples_under_a_json_schema_all_validate(client, chat_stack) -> None:
+    """The tiny random model writes nonsense, always in the schema's shape (the grammar's mask)."""
+    assert_all_validate(fifty_schema_samples(chat_stack.gateway_url, MODEL))
+
+
 def test_unknown_model_is_404_listing_the_available_ones(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="no/such-model", messages=MESSAGES)
@@ -320,8 +325,3 @@ async def test_admin_errors_are_openai_shaped(chat_stack, method, path, body, st
             error = (await response.json())["error"]
     assert error["param"] == param
     assert error["message"]
-
-
-def test_fifty_samples_under_a_json_schema_all_validate(client, chat_stack) -> None:
-    """The tiny random model writes nonsense, always in the schema's shape (the grammar's mask)."""
-    assert_all_validate(fifty_schema_samples(chat_stack.gateway_url, MODEL))

@@ -205,10 +205,11 @@ def test_every_client_way_of_asking_for_json(cluster: stack.StackManifest) -> No
     jsonschema.validate(json.loads(response.output_text), BOUNDED_SCHEMA)
     generated = ollama.Client(host=cluster.gateway_url).generate(
         model=DEFAULT_MODEL_ID,
-        prompt="Give a JSON object about Paris.",
+        prompt="Give a JSON object with the name of the capital of France.",
         format="json",
-        options={"num_predict": 60},
+        options={"num_predict": 120, "temperature": 0},  # greedy: the same short object every run
     )
+    assert generated.done_reason == "stop", generated
     assert isinstance(json.loads(generated.response), dict)
     cut = client.chat.completions.create(
         messages=ASK_JSON, response_format=SCHEMA_FORMAT, **common | {"max_tokens": 4}
