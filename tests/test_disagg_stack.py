@@ -225,7 +225,10 @@ def test_killing_the_prefill_worker_mid_handoff_still_answers(cluster: Cluster) 
 
     reply, tokens = asyncio.run(scenario())
     handoff = reply["generation_stats"]["handoff"]
-    assert "broke" in handoff["fallback"], handoff
+    # killed mid-stream ("broke"), or, when the kill beat the decoder's connect (the chunks are
+    # written before the stream is served), its endpoint refused the connection: prefilled here
+    fallbacks = ("broke", "no handoff endpoint answered")
+    assert any(reason in handoff["fallback"] for reason in fallbacks), handoff
     assert tokens == expected
     # with the prefill worker gone altogether, requests are prefilled by the decoder at once
     reply, tokens = asyncio.run(bench(cluster, SHORT, disaggregated=True))
