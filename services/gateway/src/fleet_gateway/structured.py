@@ -102,13 +102,21 @@ def schema_problem(schema: dict[str, Any]) -> str:
     return ""
 
 
+def _json_object(text: str, param: str, expected: str) -> dict[str, Any]:
+    """JSON text that must hold an object; 400 naming `param` otherwise."""
+    try:
+        parsed = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _bad(param, f"Invalid '{param}': not JSON text ({exc}).") from None
+    if not isinstance(parsed, dict):
+        raise _bad(param, f"Invalid '{param}': expected {expected}.")
+    return parsed
+
+
 def json_schema(schema: str | dict[str, Any], param: str) -> StructuredOutput:
     """A JSON Schema object, or its JSON text (vLLM's `json` and `guided_json` take both)."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError) as exc:
-            raise _bad(param, f"Invalid '{param}': not JSON text ({exc}).") from None
+        schema = _json_object(schema, param, "a JSON Schema object")
     if not isinstance(schema, dict):
         raise _bad(param, f"Invalid '{param}': expected a JSON Schema object.")
     problem = schema_problem(schema)
@@ -139,12 +147,7 @@ def grammar(ebnf: str, param: str) -> StructuredOutput:
 
 def structural_tag(tag: str, param: str) -> StructuredOutput:
     """xgrammar's structural-tag JSON; its contents are for the engine's compiler to judge."""
-    try:
-        parsed = json.loads(tag)
-    except (ValueError, RecursionError) as exc:
-        raise _bad(param, f"Invalid '{param}': not JSON text ({exc}).") from None
-    if not isinstance(parsed, dict):
-        raise _bad(param, f"Invalid '{param}': expected a JSON object.")
+    _json_object(tag, param, "a JSON object")
     return StructuredOutput(structural_tag=tag)
 
 
