@@ -30,6 +30,7 @@ from fleet_gateway.turns import Turns
 from fleet_proto import Instance, InstanceStatus, SamplingParams, State, StructuredOutput, TokenChunk
 from fleet_runtime.tracing import Tracing
 
+from .fake_catalog import FakeCatalog
 from .tiny_tokenizer import IM_END_ID, make_tiny_tokenizer_folder
 
 MODEL = "tiny/m"
@@ -66,14 +67,6 @@ class FakeGenerator:
             prefix_cached_tokens=9 if request_id[-2:] in ("-1", "-2") else 4,
             index=1,
         )
-
-
-class FakeCatalog:
-    def __init__(self, model: ModelInfo) -> None:
-        self.model = model
-
-    async def get(self, model_id: str) -> ModelInfo:
-        return self.model
 
 
 @pytest.fixture(scope="module")

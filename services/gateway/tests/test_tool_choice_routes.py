@@ -25,6 +25,7 @@ from fleet_gateway.turns import Turns
 from fleet_proto import Instance, InstanceStatus, SamplingParams, State, TokenChunk
 from fleet_runtime.tracing import Tracing
 
+from .fake_catalog import FakeCatalog
 from .tiny_tokenizer import make_tiny_tokenizer_folder
 
 MODEL = "tiny/tools"
@@ -66,14 +67,6 @@ class ScriptedEngine:
             completion_tokens=len(tokens),
             index=1,
         )
-
-
-class FakeCatalog:
-    def __init__(self, model: ModelInfo) -> None:
-        self.model = model
-
-    async def get(self, model_id: str) -> ModelInfo:
-        return self.model
 
 
 @pytest.fixture(scope="module")
