@@ -10,7 +10,9 @@ frames and reconstruct the intended message. The last test also validates every 
 the SDKs' declared (pydantic) types, which their parsers do not enforce.
 
 openai and anthropic take an `httpx2.Client` (they refuse an `httpx.Client`); ollama uses httpx.
-"""
+
+Past ~450 lines as one file: every API's formatter is read back by its own SDK through the same fake
+transport and event scripts, which a split would copy."""
 
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ logits processor of each request that asks for any.
 Stop: a request stops at one of its stop_token_ids or one of the model's EOS ids (config.json,
 generation_config.json, tokenizer). Like vLLM's text, token_ids never contain that stop token; like
 vLLM's usage, completion_tokens counts it (it was generated). Output timings are cumulative.
+
+Past ~450 lines until issue 40 splits the engine-worker: scheduling, handoff export/import and the
+pipeline's lockstep branches share this class's state.
 """
 
 from __future__ import annotations
