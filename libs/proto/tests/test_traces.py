@@ -34,6 +34,7 @@ SPANS = [
     span("step1", "decode", 41, 60, "decode", "engine-worker"),
     span("step2", "decode", 60, 70, "decode", "engine-worker"),
     span("late", "http", 98, 130, "other"),  # a child past its parent's end is clipped to it
+    span("later", "late", 110, 120, "other"),  # and so are its children: wholly past the root
 ]
 
 
@@ -44,6 +45,7 @@ def test_self_time_is_a_span_less_the_union_of_its_children() -> None:
     assert own["decode"] == (50 - 29) * MS
     overlapping = [SPANS[5], SPANS[6], span("again", "decode", 55, 70, "decode")]
     assert self_times(overlapping)["decode"] == (50 - 29) * MS  # the union of children counts once
+    assert own["late"] == 2 * MS and own["later"] == 0  # only what the root waited for counts
 
 
 def test_categories_add_up_to_the_root_and_name_their_services() -> None:
@@ -53,8 +55,8 @@ def test_categories_add_up_to_the_root_and_name_their_services() -> None:
     assert by["decode"].count == 3 and by["decode"].self_ns == 50 * MS
     assert by["prefill"].self_ns == 25 * MS and by["route"].self_ns == 5 * MS
     assert stats.categories[0].category == "decode"
-    # every span's self time except the clipped part of the late one: 100 ms plus 30 ms past the end
-    assert sum(c.self_ns for c in stats.categories) == 130 * MS
+    # the late child's time past the root's end is nobody's: the categories add up to the root
+    assert sum(c.self_ns for c in stats.categories) == 100 * MS
     services = {s.service: s.self_ns for s in stats.services}
     assert services["engine-worker"] == (3 + 25 + 50) * MS
 
@@ -67,6 +69,6 @@ def test_the_root_and_summary_of_a_trace() -> None:
         "chatcmpl-1",
         "http",
         100 * MS,
-        9,
+        10,
     )
     assert summary.services == ("engine-worker", "gateway", "scheduler")

@@ -112,15 +112,39 @@ def _covered(start: int, end: int, intervals: Iterable[tuple[int, int]]) -> int:
     return total
 
 
+def windows(spans: Sequence[SpanRecord]) -> dict[str, tuple[int, int]]:
+    """Span id -> the part of it inside its ancestors: a remote child that outlives its parent (a
+    prefill worker cleaning up after the decoder has its bytes) is not time the parent waited for."""
+    by_id = {s.span_id: s for s in spans}
+    found: dict[str, tuple[int, int]] = {}
+
+    def window(span: SpanRecord, below: frozenset[str]) -> tuple[int, int]:
+        if span.span_id not in found:
+            parent = by_id.get(span.parent_id)
+            outer = (
+                window(parent, below | {span.span_id})
+                if parent is not None and parent.span_id not in below
+                else (span.start_ns, span.end_ns)
+            )
+            start = min(max(span.start_ns, outer[0]), outer[1])
+            found[span.span_id] = (start, max(start, min(span.end_ns, outer[1])))
+        return found[span.span_id]
+
+    return {s.span_id: window(s, frozenset()) for s in spans}
+
+
 def self_times(spans: Sequence[SpanRecord]) -> dict[str, int]:
-    """Span id -> its duration less the part its children cover (children clipped to it)."""
+    """Span id -> its window (its part inside its ancestors) less the union of its children's."""
+    inside = windows(spans)
     children: dict[str, list[tuple[int, int]]] = {}
     for span in spans:
         if span.parent_id:
-            children.setdefault(span.parent_id, []).append((span.start_ns, span.end_ns))
-    return {
-        s.span_id: s.duration_ns - _covered(s.start_ns, s.end_ns, children.get(s.span_id, ())) for s in spans
-    }
+            children.setdefault(span.parent_id, []).append(inside[span.span_id])
+    own = {}
+    for span in spans:
+        start, end = inside[span.span_id]
+        own[span.span_id] = end - start - _covered(start, end, children.get(span.span_id, ()))
+    return own
 
 
 def trace_stats(trace_id: str, spans: Sequence[SpanRecord]) -> TraceStats:

@@ -187,10 +187,10 @@ class PrefillServer:
             with self._tracing.span("kv send (stream)", "transfer", parent=handoff.context) as send:
                 sent = await send_folder(writer, handoff.folder, self._stall_s)
                 send.set_attribute("fleet.bytes", sent)
+            handoff.end()  # delivered: the cleanup below is not the decoder's wait
             log.info("handoff %s: %d bytes streamed", handoff_id, sent)
             shutil.rmtree(handoff.folder, ignore_errors=True)
-            handoff.end()
-            handoff = None  # delivered: nothing to cancel
+            handoff = None  # nothing to cancel
         except (HandoffFailed, OSError, TimeoutError) as error:
             log.warning("handoff stream ended early: %r", error)
             why = f"the stream ended early: {error!r}"

@@ -218,12 +218,14 @@ class Generator:
                 target[0] = decision.worker_id
         finally:
             generating.end()
-            if not finished:  # client gone or stream broken: stop the engine's work too
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(
-                        self._bus.publish(cancel_subject(request_id), CancelRequest(request_id=request_id))
-                    )
-            await reader.close()
+            try:
+                if not finished:  # client gone or stream broken: stop the engine's work too
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(
+                            self._bus.publish(cancel_subject(request_id), CancelRequest(request_id=request_id))
+                        )
+            finally:  # even when cancelled again while cancelling: no subscription outlives its request
+                await asyncio.shield(reader.close())
 
     async def _withdraw(self, seq: int) -> bool:
         """Take a task back from its work queue; False when it is gone (a worker acked it: started)."""
