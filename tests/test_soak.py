@@ -521,7 +521,8 @@ async def test_soak_mixed_requests_with_cancels_loses_nothing_and_leaks_nothing(
     for name in rss_before:
         before, after = rss_before[name], rss_after[name]
         print(f"  RSS {name}: {before / 2**20:.1f} MiB after warm-up, {after / 2**20:.1f} MiB after the soak")
-    print(f"  gateway NATS subscriptions: {len(subscriptions_before)} before, {len(subscriptions_after)} after")
+    subscriptions = f"{len(subscriptions_before)} before, {len(subscriptions_after)} after"
+    print(f"  gateway NATS subscriptions: {subscriptions}")
 
     problems = [f"#{o.case.number} {o.case.kind} {o.case.cancel}: {o.problem}" for o in outcomes if o.problem]
     assert not problems, f"{len(problems)} bad responses:\n" + "\n".join(problems[:20])

@@ -222,7 +222,9 @@ class Generator:
                 if not finished:  # client gone or stream broken: stop the engine's work too
                     with contextlib.suppress(Exception):
                         await asyncio.shield(
-                            self._bus.publish(cancel_subject(request_id), CancelRequest(request_id=request_id))
+                            self._bus.publish(
+                                cancel_subject(request_id), CancelRequest(request_id=request_id)
+                            )
                         )
             finally:  # even when cancelled again while cancelling: no subscription outlives its request
                 await asyncio.shield(reader.close())
