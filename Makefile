@@ -61,6 +61,7 @@ proto: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: install lint test-apt
 	$(BIN)/python -m pytest -q

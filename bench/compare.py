@@ -103,7 +103,7 @@ def stderr_to(file: IO[str]) -> Iterator[None]:
 def llamacpp_peer_gguf(scratch: Path) -> Path:
     """The GGUF llama.cpp's server loads: the original, or an F16 copy in `scratch` where llama.cpp
     would put the quantized weights in AMX buffers (the server has no option to keep them out)."""
-    from fleet_worker.engines.llamacpp_weights import served_gguf, use_extra_buffers
+    from fleet_worker.engines.llamacpp.weights import served_gguf, use_extra_buffers
     from fleet_worker.probe import cpu_flags
 
     original = smollm2_gguf()

@@ -17,6 +17,8 @@ import serve
 import tracing
 from loadgen import RoundResult, StreamResult, Workload
 
+pytestmark = pytest.mark.unit
+
 
 def test_tandem_sweeps_pair_lengths_and_broadcast_a_single_one() -> None:
     assert loadgen.sweep([128, 512], [32, 64], [1, 8]) == [

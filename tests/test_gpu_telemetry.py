@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet_metrics.registry import FleetMetrics
@@ -16,6 +17,8 @@ from fleet_proto import NodeMetrics
 from fleet_worker.gpu import NvmlReader
 from fleet_worker.probe import node_metrics
 from tests.support import REPO, load_module
+
+pytestmark = pytest.mark.unit
 
 gpu_tests = load_module(REPO / "services/engine-worker/tests/test_gpu.py")
 

@@ -22,6 +22,8 @@ from fleet_metrics.registry import node_families
 from fleet_runtime.settings import PREFIX
 from tests.support import SETTING_NAMES
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.37.0"

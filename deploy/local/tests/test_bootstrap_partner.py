@@ -1,9 +1,12 @@
 """Which prefill partner `fleet up` adds beside the model's decoder, from the node's calibrations (pure)."""
 
 import msgspec
+import pytest
 
 from fleet_local.bootstrap import prefill_partner
 from fleet_proto import EngineCalibration, EngineInfo, EngineQuality, NodeInfo
+
+pytestmark = pytest.mark.unit
 
 LLAMACPP = {"engine": "llamacpp", "model_id": "m", "node_id": "n"}
 MLX = {"engine": "mlx", "model_id": "m", "node_id": "n"}

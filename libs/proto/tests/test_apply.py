@@ -32,6 +32,8 @@ from fleet_proto import (
     replay,
 )
 
+pytestmark = pytest.mark.unit
+
 NODE = NodeInfo(
     node_id="n1",
     hostname="h",

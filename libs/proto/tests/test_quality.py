@@ -18,6 +18,8 @@ from fleet_proto.quality import (
 )
 from fleet_proto.speed import MEASURED, calibration, describe, engine_order
 
+pytestmark = pytest.mark.unit
+
 
 def quality(top1: float, kl: float, greedy: float = 1.0) -> EngineQuality:
     return EngineQuality(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from fleet_proto import (
     EngineCalibration,
@@ -19,6 +20,8 @@ from fleet_proto import (
     replay,
 )
 from fleet_proto.routing import route
+
+pytestmark = pytest.mark.unit
 
 
 def card(model_id: str, base: str) -> ModelStaged:
@@ -188,7 +191,7 @@ def test_avoided_nodes_are_not_routed_to_nor_asked_to_prefill():
 
 
 def test_llama_cpp_and_the_safetensors_engines_hand_kv_to_each_other():
-    # one wire layout: llama.cpp's permuted K is converted at its edge (llamacpp_kv)
+    # one wire layout: llama.cpp's permuted K is converted at its edge (engines/llamacpp/kv.py)
     for decoder, prefiller in (("llamacpp", "vllm"), ("llamacpp", "llamacpp"), ("mlx", "llamacpp")):
         state = state_of(
             *ready("d", role="decode", engine=decoder), *ready("p", role="prefill", engine=prefiller)

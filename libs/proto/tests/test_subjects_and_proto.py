@@ -19,6 +19,8 @@ from fleet_proto.subjects import (
     token_subject,
 )
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[3]
 
 

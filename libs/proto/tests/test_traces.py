@@ -1,6 +1,10 @@
 """Trace arithmetic: self times, per-category stats that add up to the root, summaries (pure)."""
 
+import pytest
+
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE, SpanRecord, root_span, self_times, summarize, trace_stats
+
+pytestmark = pytest.mark.unit
 
 MS = 1_000_000
 

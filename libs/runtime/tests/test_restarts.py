@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleet_runtime.restarts import RestartPolicy
+
+pytestmark = pytest.mark.unit
 
 
 def test_at_most_max_restarts_within_the_window():

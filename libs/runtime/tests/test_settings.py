@@ -5,6 +5,8 @@ import pytest
 from fleet_runtime.health import run_checks
 from fleet_runtime.settings import Settings, SettingsError, load_settings, settings_env
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_without_environment():
     assert load_settings({}) == Settings()

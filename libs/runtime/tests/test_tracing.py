@@ -3,9 +3,13 @@ carries a trace into another service's Tracing, sampling at the root decides for
 
 from __future__ import annotations
 
+import pytest
+
 from fleet_bus.trace_context import is_sampled, remote_context, traceparent
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
 from fleet_runtime.tracing import DETAIL_EVERY, Tracing
+
+pytestmark = pytest.mark.unit
 
 
 def test_spans_nest_and_carry_their_category_and_attributes() -> None:

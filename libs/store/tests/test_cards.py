@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet_proto import ModelCard
+from fleet_proto import ModelCard, NodeKind
 from fleet_store import (
     CARD_TEXT_FILES,
     CardError,
@@ -19,6 +19,9 @@ from fleet_store import (
     model_card,
     publisher_of,
 )
+from fleet_store.cards import stand_in_card
+
+pytestmark = pytest.mark.unit
 
 SMOLLM2_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -131,6 +134,30 @@ def test_mlx_community_4bit_config():
     original = model_card(manifest("meta-llama/Llama-3.2-1B-Instruct", unquantized))
     assert original.base_model == card.base_model
     assert original.quantization == "" and original.supported_engines == ("mlx", "vllm")
+
+
+def test_what_a_name_implies_becomes_the_cards_facts():
+    """Placement reads these facts, never the name: mlx-community's conventions, MLX quantization."""
+    mlx_community = model_card(manifest("mlx-community/Llama-3.2-1B-Instruct-4bit", MLX_LLAMA_4BIT_CONFIG))
+    assert mlx_community.quantization_format == "mlx"
+    assert mlx_community.preferred_node_kinds == (NodeKind.APPLE, NodeKind.CPU)
+    elsewhere = model_card(manifest("someone/Llama-mlx-4bit", MLX_LLAMA_4BIT_CONFIG))
+    assert (elsewhere.quantization_format, elsewhere.preferred_node_kinds) == ("mlx", ())
+    unquantized = model_card(manifest("mlx-community/SmolLM2-135M-Instruct", SMOLLM2_CONFIG))
+    assert (unquantized.quantization_format, unquantized.preferred_node_kinds) == (
+        "",
+        (NodeKind.APPLE, NodeKind.CPU),
+    )
+    plain = model_card(manifest("org/m", SMOLLM2_CONFIG))
+    assert (plain.quantization_format, plain.preferred_node_kinds) == ("", ())
+
+
+def test_a_model_still_downloading_has_a_stand_in_card_sized_by_its_download():
+    card = stand_in_card("mlx-community/Big-4bit", 6 * 2**30)
+    assert (card.storage_bytes, card.num_layers, card.publisher) == (6 * 2**30, 1, "mlx-community")
+    assert card.preferred_node_kinds == (NodeKind.APPLE, NodeKind.CPU)
+    assert card.quantization_format == ""  # its quantization is not known yet
+    assert stand_in_card("local-model", 1).publisher == ""
 
 
 @pytest.mark.parametrize(

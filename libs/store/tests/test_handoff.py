@@ -26,6 +26,8 @@ from fleet_store.handoff import (
 )
 from fleet_store.kv import WireTensor
 
+pytestmark = pytest.mark.unit
+
 
 def rows(count: int, value: float = 1.0, heads: int = 2, dim: int = 4) -> WireTensor:
     return WireTensor(

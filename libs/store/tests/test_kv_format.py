@@ -20,6 +20,8 @@ from fleet_store.kv import (
     prompt_blocks,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def f32(values: list[float], shape: tuple[int, ...]) -> WireTensor:
     return WireTensor("F32", shape, struct.pack(f"<{len(values)}f", *values))

@@ -21,6 +21,8 @@ from fleet_store.layers import (
     tensor_layer,
 )
 
+pytestmark = pytest.mark.unit
+
 NON_WEIGHT = ["config.json", "tokenizer.json", "tokenizer_config.json"]
 
 

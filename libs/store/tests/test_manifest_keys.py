@@ -23,6 +23,8 @@ from fleet_store.client import MAX_PARTS, PART_SIZE, part_size_for
 from fleet_store.errors import error_for_s3_code
 from fleet_store.manifest import local_file_matches, model_file_paths
 
+pytestmark = pytest.mark.unit
+
 
 def test_keys_put_files_beside_manifest() -> None:
     assert (

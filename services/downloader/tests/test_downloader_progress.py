@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleet_downloader.main import failure_reason
 from fleet_downloader.progress import Throttle
 from fleet_downloader.sources import SourceError
 from fleet_proto import DownloadPhase
+
+pytestmark = pytest.mark.unit
 
 
 def test_throttle_allows_two_per_second_within_a_phase():

@@ -20,6 +20,8 @@ from fleet_downloader.sources import (
     source_kind,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def hf_folder(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)

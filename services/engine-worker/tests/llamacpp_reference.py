@@ -1,5 +1,5 @@
 """llama-cpp-python's own API doing what the llama.cpp engine does on a CPU, the reference its tests
-compare to: the GGUF as the engine serves it (llamacpp_weights: Q4_1 re-encoded to F16) decodes,
+compare to: the GGUF as the engine serves it (llamacpp/weights.py: Q4_1 re-encoded to F16) decodes,
 and a prompt of PREFILL_APART_MIN_TOKENS or more is prefilled but its last token on the F16 copy,
 whose sequence state (llama_state_seq_get_data / set_data) then goes to the decoding model."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from fleet_worker.engines.llamacpp_engine import PREFILL_APART_MIN_TOKENS
-from fleet_worker.engines.llamacpp_weights import served_gguf
+from fleet_worker.engines.llamacpp.prefill import PREFILL_APART_MIN_TOKENS
+from fleet_worker.engines.llamacpp.weights import served_gguf
 
 
 class LlamaCppReference:

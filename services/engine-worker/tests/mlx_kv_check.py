@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from fleet_store.kv import KVFolder, decode_block, folder_fingerprint, prompt_blocks
-from fleet_worker.engines.mlx_kv import blocks_to_cache, cache_to_blocks
+from fleet_worker.engines.mlx.kv import blocks_to_cache, cache_to_blocks
 
 
 def greedy(model, prompt: list[int], n: int, cache=None) -> list[int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fleet_proto.messages import GenerationOutput
 from fleet_worker.calibration import (
     OUTPUT_TOKENS,
@@ -12,6 +14,8 @@ from fleet_worker.calibration import (
     calibration_request,
     measured,
 )
+
+pytestmark = pytest.mark.unit
 
 
 def finished(**fields) -> GenerationOutput:

@@ -8,7 +8,7 @@ import sys
 import mlx.core as mx
 
 from fleet_worker.engines.cpu_blas import openblas_path
-from fleet_worker.engines.mlx_engine import chosen_compute_dtype
+from fleet_worker.engines.mlx.engine import chosen_compute_dtype
 
 # In a fresh interpreter, as an engine process starts: OpenBLAS first, then mlx, whose cblas_sgemm
 # must then be OpenBLAS's (the dynamic linker's global scope), and auto picks float32.
@@ -17,7 +17,7 @@ import ctypes
 from fleet_worker.engines.base import engine_spec
 engine_spec("mlx").before_import()
 import mlx.core as mx
-from fleet_worker.engines.mlx_engine import chosen_compute_dtype
+from fleet_worker.engines.mlx.engine import chosen_compute_dtype
 def address(library):
     return ctypes.cast(library.cblas_sgemm, ctypes.c_void_p).value
 same = address(ctypes.CDLL(None)) == address(ctypes.CDLL(sys.argv[1]))

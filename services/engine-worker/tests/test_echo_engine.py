@@ -10,6 +10,8 @@ import pytest
 from fleet_proto import SamplingParams
 from fleet_worker.engines.base import EngineRequest, KVExport, load_engine
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def engine(tmp_path: Path):

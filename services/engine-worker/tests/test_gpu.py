@@ -6,6 +6,8 @@ import pytest
 from fleet_worker.gpu import GpuSample, NvmlReader
 from fleet_worker.probe import DGX_SPARK_CHIP, node_info
 
+pytestmark = pytest.mark.unit
+
 NOT_SUPPORTED = 3
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleet_worker.handoff import advertised_endpoints
 from fleet_worker.probe import Interface
+
+pytestmark = pytest.mark.unit
 
 INTERFACES = [
     Interface("lo", "127.0.0.1", 0, loopback=True),

@@ -7,10 +7,13 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fleet_store.handoff import FRAME_HEADER, HandoffChunk
 from fleet_store.kv import WireTensor
 from fleet_worker.handoff_transport import receive_stream
+
+pytestmark = pytest.mark.unit
 
 
 def rows(n: int) -> WireTensor:

@@ -17,7 +17,8 @@ from fleet_downloader.sources import locate, parse_source
 from fleet_proto import SamplingParams
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_worker.engines.base import EngineRequest, KVExport, KVImport, load_engine
-from fleet_worker.engines.llamacpp_engine import LlamaCppEngine, gguf_file, kv_cells
+from fleet_worker.engines.llamacpp.context import gguf_file, kv_cells
+from fleet_worker.engines.llamacpp.engine import LlamaCppEngine
 
 from .llamacpp_reference import LlamaCppReference
 from .test_mlx_engine import run
@@ -29,7 +30,7 @@ LONGER = "<|im_start|>user\n" + " ".join(f"box {n} holds {n * 5 % 11}." for n in
 
 # F32 decode weights beside the F16 prefill copy, so the prefill-apart path runs (the CPU default,
 # F16, needs no copy); quantized weights are not used here: llama-cpp-python's high-level reference
-# would put them in AMX buffers, which die of SIGILL on this project's VMs (llamacpp_weights).
+# would put them in AMX buffers, which die of SIGILL on this project's VMs (llamacpp/weights.py).
 DECODE_TYPE = "F32"
 
 

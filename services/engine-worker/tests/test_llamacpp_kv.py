@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from fleet_worker.engines.llamacpp_kv import (
+from fleet_worker.engines.llamacpp.kv import (
     STATE_MAGIC,
     SeqKV,
     SeqStateError,
@@ -19,6 +19,8 @@ from fleet_worker.engines.llamacpp_kv import (
     parse_seq_state,
     seq_state,
 )
+
+pytestmark = pytest.mark.unit
 
 
 def state(v_trans: bool) -> SeqKV:

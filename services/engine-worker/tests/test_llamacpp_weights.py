@@ -10,7 +10,7 @@ import llama_cpp
 import pytest
 
 from fleet_downloader.sources import locate, parse_source
-from fleet_worker.engines.llamacpp_weights import (
+from fleet_worker.engines.llamacpp.weights import (
     REENCODED_DIR,
     WeightTypeError,
     file_type,

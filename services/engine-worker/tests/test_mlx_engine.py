@@ -14,9 +14,11 @@ from mlx_lm.generate import generate_step, stream_generate
 
 from fleet_proto import SamplingParams
 from fleet_worker.engines.base import EngineOutput, EngineRequest, load_engine
-from fleet_worker.engines.mlx_engine import MlxEngine
+from fleet_worker.engines.mlx.engine import MlxEngine
 
 from .tiny_model import EOS_ID, make_tiny_llama
+
+pytestmark = pytest.mark.unit
 
 PROMPTS = [
     [5, 6, 7, 8, 9],

@@ -11,10 +11,12 @@ import pytest
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_store.kv import folder_fingerprint
 from fleet_worker.engines.base import EngineRequest, KVExport, KVImport
-from fleet_worker.engines.mlx_engine import MlxEngine
+from fleet_worker.engines.mlx.engine import MlxEngine
 
 from .test_mlx_engine import greedy, request, run
 from .tiny_model import make_tiny_hybrid, make_tiny_llama
+
+pytestmark = pytest.mark.unit
 
 PROMPT = [(7 * i) % 480 + 5 for i in range(70)]
 MAKERS = {

@@ -16,7 +16,7 @@ from fleet_proto import SamplingParams
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_worker.engine_process import EngineLoadError, EngineProcess
 from fleet_worker.engines.base import EngineOutput, EngineRequest, KVExport, KVImport
-from fleet_worker.engines.mlx_pipeline import PipelineSpec, keep_layers, missing_weights
+from fleet_worker.engines.mlx.pipeline import PipelineSpec, keep_layers, missing_weights
 
 from .tiny_model import LAYERS, make_tiny_llama
 

@@ -9,11 +9,13 @@ import pytest
 
 from fleet_store.kv import KVFolder, folder_fingerprint, prompt_blocks
 from fleet_worker.engines.kv_memory import BlockMemory
-from fleet_worker.engines.mlx_engine import MlxEngine
-from fleet_worker.engines.mlx_kv import MlxPrefixStore
+from fleet_worker.engines.mlx.engine import MlxEngine
+from fleet_worker.engines.mlx.kv import MlxPrefixStore
 
 from .test_mlx_engine import greedy, reference_greedy, request, run
 from .tiny_model import make_tiny_llama
+
+pytestmark = pytest.mark.unit
 
 BLOCK = 32
 SHARED = [(13 * i) % 500 + 3 for i in range(96)]  # three full blocks

@@ -4,9 +4,12 @@ min_tokens, a grammar's mask; the constraint here is a fake) and seeded draws.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from fleet_proto import SamplingParams
 from fleet_worker.engines.numpy_sampling import RequestSampler, filtered, log_softmax, token_logprob
+
+pytestmark = pytest.mark.unit
 
 PROBS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
 

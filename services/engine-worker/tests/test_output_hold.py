@@ -1,10 +1,14 @@
-"""engine_process.OutputHold (pure): a stream's tokens are held up to the interval; first tokens, last
+"""engine_child.OutputHold (pure): a stream's tokens are held up to the interval; first tokens, last
 outputs and an idle engine's outputs go at once."""
 
 from __future__ import annotations
 
-from fleet_worker.engine_process import OutputHold
+import pytest
+
+from fleet_worker.engine_child import OutputHold
 from fleet_worker.engines.base import EngineOutput
+
+pytestmark = pytest.mark.unit
 
 
 def tokens(request_id: str, *ids: int, finish: str = "") -> EngineOutput:

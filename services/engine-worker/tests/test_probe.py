@@ -1,15 +1,19 @@
 import importlib.metadata
 from pathlib import Path
 
+import pytest
+
 from fleet_proto.subjects import metrics_subject
+from fleet_worker.engines.base import ENGINES
 from fleet_worker.probe import (
-    ENGINE_REVISIONS,
     cpu_flags,
     installed_engines,
     node_id_from,
     node_info,
     node_metrics,
 )
+
+pytestmark = pytest.mark.unit
 
 
 def test_hostnames_become_subject_tokens():
@@ -127,5 +131,5 @@ def test_cpu_flags_are_the_first_cpus(tmp_path: Path) -> None:
 
 def test_an_engine_fleet_now_runs_differently_reports_its_revision_so_it_is_measured_again() -> None:
     versions = {e.name: e.version for e in installed_engines()}
-    revision = ENGINE_REVISIONS["llamacpp"]
+    revision = ENGINES["llamacpp"].revision
     assert versions["llamacpp"] == f"{importlib.metadata.version('llama-cpp-python')}+fleet{revision}"

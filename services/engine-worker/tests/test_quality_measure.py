@@ -24,6 +24,8 @@ from fleet_worker.quality.measure import (
     write_reference,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def dist(*pairs: tuple[int, float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
     return tuple(t for t, _ in pairs), tuple(math.log(p) for _, p in pairs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import pytest
 from opentelemetry.trace import set_span_in_context
 
 from fleet_proto import HandoffStats
@@ -22,6 +23,8 @@ from fleet_worker.request_trace import (
     start_request_trace,
     start_transfer,
 )
+
+pytestmark = pytest.mark.unit
 
 MS = 1_000_000
 

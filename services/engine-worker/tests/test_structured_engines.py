@@ -23,9 +23,9 @@ from fleet_downloader.sources import locate, parse_source
 from fleet_proto import SamplingParams, StructuredOutput
 from fleet_worker.engines.base import INVALID_REQUEST, EngineOutput, EngineRequest
 from fleet_worker.engines.grammar import choice_grammar, ebnf_of, spec_kind
-from fleet_worker.engines.llamacpp_engine import LlamaCppEngine
-from fleet_worker.engines.mlx_engine import MlxEngine
-from fleet_worker.engines.mlx_sampling import LogitRules
+from fleet_worker.engines.llamacpp.engine import LlamaCppEngine
+from fleet_worker.engines.mlx.engine import MlxEngine
+from fleet_worker.engines.mlx.sampling import LogitRules
 from fleet_worker.engines.numpy_sampling import RequestSampler
 
 from .tiny_model import EOS_ID, make_tiny_llama

@@ -9,9 +9,11 @@ import torch
 from fleet_proto import SamplingParams, StructuredOutput
 from fleet_store import ManifestFile, ModelManifest
 from fleet_store.kv import manifest_fingerprint, model_fingerprint
-from fleet_worker.engines.vllm_paged import ProbedPositions, SplitLastDim
-from fleet_worker.engines.vllm_sampling import emitted_tokens, structured_outputs_fields, vllm_sampling_kwargs
-from fleet_worker.instances import EngineOptionsError, KVSettings, engine_options, parse_engine_options
+from fleet_worker.engine_options import EngineOptionsError, KVSettings, engine_options, parse_engine_options
+from fleet_worker.engines.vllm.paged import ProbedPositions, SplitLastDim
+from fleet_worker.engines.vllm.sampling import emitted_tokens, structured_outputs_fields, vllm_sampling_kwargs
+
+pytestmark = pytest.mark.unit
 
 
 def test_sampling_maps_like_the_seed() -> None:

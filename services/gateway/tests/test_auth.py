@@ -16,6 +16,8 @@ from fleet_gateway.auth import (
 )
 from fleet_gateway.errors import ApiError
 
+pytestmark = pytest.mark.unit
+
 KEYS = KeyRing.from_settings("user-1, user-2", "admin-1")
 
 

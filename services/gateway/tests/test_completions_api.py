@@ -15,6 +15,8 @@ from fleet_gateway.errors import ApiError
 from fleet_gateway.frames import Finished
 from fleet_gateway.parsing.output import Delta
 
+pytestmark = pytest.mark.unit
+
 
 def body(**fields) -> bytes:
     return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()

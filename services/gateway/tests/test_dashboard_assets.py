@@ -14,6 +14,8 @@ from fleet_proto import events
 from fleet_proto.subjects import event_subject
 from fleet_proto.traces import SPAN_CATEGORIES
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_page_links_only_shipped_assets_and_no_other_origin() -> None:
     page = (ASSETS / "index.html").read_text()

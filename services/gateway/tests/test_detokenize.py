@@ -13,6 +13,8 @@ from fleet_gateway.tokenizer import ChatTokenizer
 
 from .tiny_tokenizer import IM_END_ID, IM_START_ID, VOCAB_SIZE, make_tiny_tokenizer_folder
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -29,6 +29,8 @@ from fleet_proto import SamplingParams, TokenChunk
 
 from .test_stream_formats import openai_client, sse_data_objects
 
+pytestmark = pytest.mark.unit
+
 MODEL = "fleet-test-model"
 
 

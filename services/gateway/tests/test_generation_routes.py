@@ -33,6 +33,8 @@ from fleet_runtime.tracing import Tracing
 from .fake_catalog import FakeCatalog
 from .tiny_tokenizer import IM_END_ID, make_tiny_tokenizer_folder
 
+pytestmark = pytest.mark.unit
+
 MODEL = "tiny/m"
 USER = [{"role": "user", "content": "hi"}]
 REFUSAL = "the grammar does not compile: unknown rule 'value'"

@@ -9,6 +9,8 @@ from fleet_gateway.parsing.harmony import HarmonyParser
 
 from .test_output_parsing import calls, parsed_every_way
 
+pytestmark = pytest.mark.unit
+
 THINK = "<|channel|>analysis<|message|>User wants the weather in Paris. Use get_weather.<|end|>"
 NEXT = "<|start|>assistant"
 

@@ -40,6 +40,8 @@ from fleet_proto.messages import SamplingParams
 
 from .tiny_tokenizer import IM_END_ID, make_tiny_tokenizer_folder
 
+pytestmark = pytest.mark.unit
+
 USER = [{"role": "user", "content": "hi"}]
 
 

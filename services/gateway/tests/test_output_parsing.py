@@ -12,6 +12,8 @@ from fleet_gateway.parsing.reasoning import ThinkParser
 from fleet_gateway.parsing.tags import partial_tag_suffix
 from fleet_gateway.parsing.tools import DSML, PARSERS, infer_tool_parser
 
+pytestmark = pytest.mark.unit
+
 
 def feed(make, pieces: list[str]) -> Delta:
     parser = make()

@@ -10,6 +10,8 @@ import pytest
 from fleet_gateway import anthropic_api, ollama_api, responses_api
 from fleet_gateway.errors import ApiError
 
+pytestmark = pytest.mark.unit
+
 CALL = {
     "id": "call_1",
     "type": "function",

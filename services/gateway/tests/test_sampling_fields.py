@@ -14,6 +14,8 @@ from fleet_gateway.sampling import SamplingAsk, check_n, to_sampling
 from fleet_proto import SamplingParams
 from fleet_runtime.settings import load_settings
 
+pytestmark = pytest.mark.unit
+
 USER = [{"role": "user", "content": "hi"}]
 EOS = (2,)
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet_gateway.stops import StopMatcher, cut_at_first_stop, find_first_stop
+
+pytestmark = pytest.mark.unit
 
 
 def _run(stops: list[str], chunks: list[str]) -> tuple[str, bool, list[str]]:

@@ -39,6 +39,8 @@ from fleet_gateway.parsing.output import Delta, ToolCall
 from fleet_gateway.responses_api import ResponseEvents, parse_responses_request, response_body, skeleton
 from fleet_gateway.streaming import event_frames
 
+pytestmark = pytest.mark.unit
+
 MODEL = "fleet-test-model"
 CREATED = 1_700_000_000
 WEATHER_CALL = ToolCall("get_weather", '{"city": "Paris"}', id="call_0123456789abcdef01234567")

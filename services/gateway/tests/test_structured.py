@@ -13,6 +13,8 @@ from fleet_gateway.errors import ApiError
 from fleet_gateway.sampling import SamplingAsk, to_sampling
 from fleet_proto import StructuredOutput
 
+pytestmark = pytest.mark.unit
+
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 SCHEMA_TEXT = json.dumps(SCHEMA)
 TAG = json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}})

@@ -16,6 +16,8 @@ from fleet_gateway.turns import TextStep
 
 from .tiny_tokenizer import make_tiny_tokenizer_folder
 
+pytestmark = pytest.mark.unit
+
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if tools %}<tool_call>{% endif %}<|im_start|>assistant\n<think>\n"

@@ -28,6 +28,8 @@ from fleet_runtime.tracing import Tracing
 from .fake_catalog import FakeCatalog
 from .tiny_tokenizer import make_tiny_tokenizer_folder
 
+pytestmark = pytest.mark.unit
+
 MODEL = "tiny/tools"
 USER = [{"role": "user", "content": "weather?"}]
 # Qwen3-like: renders tools, calls them Hermes-style and opens a think block for the answer.

@@ -7,6 +7,8 @@ from fleet_proto import GpuSample, NodeMetrics
 
 from .metrics_stats_helper import stats
 
+pytestmark = pytest.mark.unit
+
 
 def parse(metrics: FleetMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}

@@ -1,7 +1,11 @@
 """The bounded trace store: by trace or request id, newest first, eviction, span cap, delete."""
 
+import pytest
+
 from fleet_metrics.traces import TraceStore
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE, SpanRecord
+
+pytestmark = pytest.mark.unit
 
 
 def span(trace: int, n: int, root: bool = False) -> SpanRecord:

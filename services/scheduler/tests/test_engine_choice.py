@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from fleet_proto import EngineCalibration, Instance, InstanceStatus, NodeInfo, NodeKind
 from fleet_proto.speed import MEASURED, PRIOR, engine_order, reference_seconds
@@ -10,6 +11,8 @@ from fleet_scheduler.engine_choice import UPGRADE_MARGIN, faster_engine, moved_t
 from fleet_scheduler.placement import place, placement_options
 
 from .test_placement_rules import card, cluster, node
+
+pytestmark = pytest.mark.unit
 
 GGUF_CARD = card("org/m", engines=("mlx", "vllm", "llamacpp"))
 

@@ -17,6 +17,8 @@ from fleet_proto import (
 )
 from fleet_scheduler.liveness import failover_events, timed_out_nodes
 
+pytestmark = pytest.mark.unit
+
 
 def node(node_id: str) -> NodeJoined:
     return NodeJoined(

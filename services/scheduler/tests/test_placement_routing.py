@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleet_proto import (
     Instance,
     InstancePlaced,
@@ -11,6 +13,8 @@ from fleet_proto import (
     replay,
 )
 from fleet_proto.routing import route
+
+pytestmark = pytest.mark.unit
 
 
 def state_of(*events) -> State:

@@ -20,10 +20,9 @@ from fleet_proto import (
     Shard,
     State,
 )
+from fleet_proto.engines import ENGINE_FACTS
 from fleet_scheduler.placement import (
-    ENGINE_CAPS,
     RING_PORT_SPAN,
-    EngineCaps,
     PlacementError,
     free_bytes,
     memory_needed,
@@ -34,13 +33,20 @@ from fleet_scheduler.placement import (
     ring_addresses,
     split_layers,
 )
+from fleet_store.cards import with_conventions
+
+pytestmark = pytest.mark.unit
 
 GiB = 2**30
+# The engines' facts with pipelines allowed (vLLM's too) or not (MLX's neither); memory headroom 1.3.
 PIPELINE_CAPS = {
-    "mlx": EngineCaps(pipeline=True, memory_headroom=1.3),
-    "vllm": EngineCaps(pipeline=True, memory_headroom=1.3),
+    "mlx": msgspec.structs.replace(ENGINE_FACTS["mlx"], pipeline=True),
+    "vllm": msgspec.structs.replace(ENGINE_FACTS["vllm"], pipeline=True),
 }
-NO_PIPELINE_CAPS = {"mlx": EngineCaps(pipeline=False), "vllm": EngineCaps(pipeline=False)}
+NO_PIPELINE_CAPS = {
+    "mlx": msgspec.structs.replace(ENGINE_FACTS["mlx"], pipeline=False),
+    "vllm": msgspec.structs.replace(ENGINE_FACTS["vllm"], pipeline=False),
+}
 RING_PORT_BASE = 52400
 
 
@@ -80,7 +86,7 @@ def card(
     quantization: str = "",
     engines: tuple[str, ...] = ("mlx", "vllm"),
 ) -> ModelCard:
-    return ModelCard(
+    plain = ModelCard(
         model_id=model_id,
         architecture="llama",
         num_layers=layers,
@@ -93,6 +99,7 @@ def card(
         publisher=model_id.split("/")[0],
         supported_engines=engines,
     )
+    return with_conventions(plain)  # as the downloader builds cards: with what the name implies
 
 
 def cluster(
@@ -329,8 +336,8 @@ def test_engine_preference_is_by_memory_left_across_engines():
 
 
 def test_default_caps_split_mlx_models_across_nodes_but_not_vllm_ones():
-    assert ENGINE_CAPS["mlx"].pipeline and not ENGINE_CAPS["vllm"].pipeline
-    assert ENGINE_CAPS["mlx"].memory_headroom == ENGINE_CAPS["vllm"].memory_headroom == 1.3
+    assert ENGINE_FACTS["mlx"].pipeline and not ENGINE_FACTS["vllm"].pipeline
+    assert ENGINE_FACTS["mlx"].memory_headroom == ENGINE_FACTS["vllm"].memory_headroom == 1.3
     nodes = [node(n, 1.0, engines=("mlx", "vllm")) for n in "abc"]
     options = placement_options(cluster(*nodes, cards=(card(storage=2.0),)), "org/m")
     assert [(o.engine, option_label(o)) for o in options if o.feasible] == [("mlx", "a+b+c")]
@@ -583,7 +590,7 @@ def test_same_input_gives_same_output():
     nodes = [node(n, 4.0) for n in "dcba"]
     forward = cluster(*nodes, cards=(card(storage=8.0),))
     backward = cluster(*reversed(nodes), cards=(card(storage=8.0),))
-    for caps in (ENGINE_CAPS, PIPELINE_CAPS):
+    for caps in (ENGINE_FACTS, PIPELINE_CAPS):
         assert placement_options(forward, "org/m", caps) == placement_options(backward, "org/m", caps)
     assert place(forward, "org/m", "i1", caps=PIPELINE_CAPS) == place(
         backward, "org/m", "i1", caps=PIPELINE_CAPS
@@ -667,3 +674,11 @@ def test_an_explicit_placement_on_a_node_without_the_engine_is_refused():
     whole = (Shard(node_id="b", start_layer=0, end_layer=card().num_layers),)
     with pytest.raises(PlacementError, match="b: no mlx engine"):
         place(state, "org/m", "i1", shards=whole)
+
+
+def test_a_card_staged_before_cards_had_their_name_facts_is_placed_as_a_new_one() -> None:
+    from fleet_scheduler.placement import staged_card
+
+    old = msgspec.structs.replace(card("mlx-community/Old-4bit", quantization="4bit"), quantization_format="")
+    state = State(models={old.model_id: old})
+    assert staged_card(state, old.model_id).quantization_format == "mlx"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from fleet_proto import (
     EngineInfo,
@@ -20,6 +21,8 @@ from fleet_proto import (
 )
 from fleet_scheduler.placement import PlacementError, place, placed_again
 from fleet_scheduler.replacement import NOT_REPLACED, failed_pipeline, replacement
+
+pytestmark = pytest.mark.unit
 
 GiB = 2**30
 MODEL = ModelCard(

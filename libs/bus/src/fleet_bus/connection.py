@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -86,11 +86,11 @@ class Bus:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=timeout_s)
         self.timeout_s = timeout_s
-        self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._reconnect_hooks: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self.disconnected_at: float | None = None  # monotonic time the current outage began
 
-    def on_reconnected(self, hook: Callable[[], Awaitable[None]]) -> None:
+    def on_reconnected(self, hook: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run `hook()` (as a task) after every reconnect: for state nats-py does not restore itself."""
         self._reconnect_hooks.append(hook)
 

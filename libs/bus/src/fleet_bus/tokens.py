@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
+from nats.aio.subscription import Subscription
 
 from fleet_bus.cancel import raise_if_cancelling
 from fleet_bus.connection import Bus, BusError
@@ -47,7 +48,7 @@ class TokenStreamReader:
         self._stall_timeout_s = stall_timeout_s
         self._producer_alive = producer_alive
         self._poll_s = poll_s
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def open(self) -> TokenStreamReader:
         self._sub = await self._bus.nc.subscribe(token_subject(self.request_id))

@@ -13,8 +13,8 @@ from fleet_proto.events import Event
 T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
-_event_decoder = msgspec.json.Decoder(Event)
-_command_decoder = msgspec.json.Decoder(Command)
+_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+_command_decoder: msgspec.json.Decoder[Command] = msgspec.json.Decoder(Command)
 
 
 class UnknownCommandError(TypeError):

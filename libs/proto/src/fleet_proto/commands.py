@@ -5,11 +5,15 @@ Each command carries a command_id so a redelivered command is recognisably the s
 
 from __future__ import annotations
 
+from typing import dataclass_transform
+
 import msgspec
 
 from fleet_proto.common import Shard
 
 
+# Subclasses inherit `frozen` (see fleet_proto.common.Frozen).
+@dataclass_transform(frozen_default=True, field_specifiers=(msgspec.field,))
 class CommandBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     command_id: str
 

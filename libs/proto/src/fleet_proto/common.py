@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import dataclass_transform
 
 import msgspec
 
 
+# msgspec passes `frozen` on to subclasses; this tells type checkers so (without it mypy reads every
+# subclass as a non-frozen dataclass inheriting from a frozen one), and checks their fields read-only.
+@dataclass_transform(frozen_default=True, field_specifiers=(msgspec.field,))
 class Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     """Base of every value type: immutable, keyword-only, tolerant of fields added by newer peers."""
 
@@ -205,6 +209,10 @@ class ModelCard(Frozen):
     has_tokenizer: bool = True
     has_chat_template: bool = True
     supported_engines: tuple[str, ...] = ("mlx",)
+    # Facts computed where the card is built (fleet_store.cards), so placement never reads the name:
+    # packed quantized weights that only engines listing the format load ("mlx": MLX's), "" for none
+    quantization_format: str = ""
+    preferred_node_kinds: tuple[NodeKind, ...] = ()  # where it runs best, best first ((): anywhere)
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value

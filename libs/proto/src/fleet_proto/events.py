@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import dataclass_transform
+
 import msgspec
 
 from fleet_proto.common import DownloadPhase, Instance, ModelCard, NodeInfo, ServiceInfo
 
 
+# Subclasses inherit `frozen` (see fleet_proto.common.Frozen).
+@dataclass_transform(frozen_default=True, field_specifiers=(msgspec.field,))
 class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     origin: str = ""  # service_id of the publisher
     at: float = 0.0  # unix time at the publisher

@@ -5,7 +5,8 @@ The scheduler decides with it; the gateway uses it too when the scheduler does n
 Candidates are the ready decode-capable instances of the requested model, else of another model with
 the same base model (e.g. an MLX 4-bit conversion of the same weights). The engine that decodes
 fastest is preferred: by the workers' calibrations (fleet_proto.speed) when every candidate is
-measured, else MLX (seed rule: MLX nodes are the bandwidth-strong decoders); among those the lowest
+measured, else the engine whose facts prefer it for decode (MLX; seed rule: MLX nodes are the
+bandwidth-strong decoders); among those the lowest
 cost wins, in tokens (Dynamo's router formula, prefill weight 1):
 
     cost = load + (prompt tokens - prompt tokens whose KV the instance's node holds in memory)
@@ -18,10 +19,10 @@ much of the prompt object storage (tier 2) holds: any worker can fetch that, so 
 Disaggregation: when the prompt part that the chosen decoder would have to compute (neither in its
 node's memory nor in object storage) is longer than `disagg_min_tokens` (the seed's 1,000), or the
 request asks for it, the prompt is prefilled on another ready instance of the same base model
-(role "prefill" first, then "both"; the fastest measured prefill engine, else vLLM, the
-compute-strong one; then least loaded) and
-its KV handed to the decoder. Only engines that can take KV in (KV_IMPORT_ENGINES) decode that way;
-any exporting engine can be the partner: KV travels in one layout (Hugging Face's order of a head's
+(role "prefill" first, then "both"; the fastest measured prefill engine, else the one whose facts
+prefer it for prefill (vLLM, the compute-strong one); then least loaded) and its KV handed to the
+decoder. Only engines whose facts say kv_import decode that way (fleet_proto.engines);
+any kv_export engine can be the partner: KV travels in one layout (Hugging Face's order of a head's
 dimensions, llama.cpp's permuted K converted at its edge), and llama.cpp's GGUF and the safetensors
 MLX and vLLM run are one model's weights (converted from it, or it quantized).
 A pipeline instance (layers split across nodes) takes part like any other: its rank 0, on the
@@ -30,23 +31,17 @@ instance's node, is its one handoff endpoint and moves every rank's layers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from fleet_proto.common import EngineCalibration, Instance, InstanceStatus
+from fleet_proto.engines import EngineFacts, engine_facts
 from fleet_proto.messages import RouteReply, RouteRequest
 from fleet_proto.speed import calibration
 from fleet_proto.state import State
 
-PREFERRED_DECODE_ENGINE = "mlx"
 DECODE_ROLES = ("both", "decode")
 PREFILL_ROLES = ("prefill", "both")
 DEFAULT_DISAGG_MIN_TOKENS = 1000
-KV_EXPORT_ENGINES = ("mlx", "vllm", "llamacpp")  # engines that can prefill for another instance
-KV_IMPORT_ENGINES = ("mlx", "vllm", "llamacpp")  # engines that can decode from handed-over KV
-# a prefill on these samples the request's first token too; a decoder on these starts from it
-FIRST_TOKEN_EXPORT_ENGINES = ("vllm",)
-FIRST_TOKEN_IMPORT_ENGINES = ("llamacpp",)
-PREFERRED_PREFILL_ENGINE = "vllm"
 
 
 def base_model(state: State, model_id: str) -> str:
@@ -69,12 +64,14 @@ def instance_calibration(state: State, instance: Instance) -> EngineCalibration 
     return calibration(node, instance.engine, instance.model_id) if node is not None else None
 
 
-def fastest_engines(state: State, instances: list[Instance], speed: str, prior: str) -> tuple[str, ...]:
+def fastest_engines(
+    state: State, instances: list[Instance], speed: str, prior: Callable[[EngineFacts], bool]
+) -> tuple[str, ...]:
     """The engines of `instances` with the highest measured `speed` ("prefill_tokens_per_s" or
-    "decode_tokens_per_s") on their nodes; (prior,) while any of them is unmeasured."""
+    "decode_tokens_per_s") on their nodes; those whose facts have `prior` while any is unmeasured."""
     measured = [instance_calibration(state, i) for i in instances]
     if not instances or any(m is None for m in measured):
-        return (prior,)
+        return tuple(dict.fromkeys(i.engine for i in instances if prior(engine_facts(i.engine))))
     top = max(getattr(m, speed) for m in measured)
     return tuple(i.engine for i, m in zip(instances, measured, strict=True) if getattr(m, speed) == top)
 
@@ -93,18 +90,18 @@ def prefill_partner(
     avoid_nodes: tuple[str, ...] = (),
 ) -> Instance | None:
     """The instance to prefill for `decoder`, or None when no other instance can."""
-    if decoder.engine not in KV_IMPORT_ENGINES:
+    if not engine_facts(decoder.engine).kv_import:
         return None
     candidates = [
         i
         for i in ready_instances(state, model_id, roles=PREFILL_ROLES)
         if i.instance_id != decoder.instance_id
-        and i.engine in KV_EXPORT_ENGINES
+        and engine_facts(i.engine).kv_export
         and i.node_id not in avoid_nodes
     ]
     if not candidates:
         return None
-    fastest = fastest_engines(state, candidates, "prefill_tokens_per_s", PREFERRED_PREFILL_ENGINE)
+    fastest = fastest_engines(state, candidates, "prefill_tokens_per_s", lambda f: f.prefill_preferred)
     return min(
         candidates,
         key=lambda i: (
@@ -130,7 +127,7 @@ def route(
     if not candidates:
         avoided = f" off nodes {', '.join(request.avoid_nodes)}" if request.avoid_nodes else ""
         return RouteReply(error=f"no ready instance of {request.model_id}{avoided}")
-    fastest = fastest_engines(state, candidates, "decode_tokens_per_s", PREFERRED_DECODE_ENGINE)
+    fastest = fastest_engines(state, candidates, "decode_tokens_per_s", lambda f: f.decode_preferred)
     preferred = [i for i in candidates if i.engine in fastest] or candidates
     chosen = min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, cached), i.instance_id))
     tokens = load.get(chosen.instance_id, 0)

@@ -54,7 +54,9 @@ def fastest_within(
     measurements: Iterable[EngineCalibration], budget: QualityBudget
 ) -> EngineCalibration | None:
     """The fastest of `measurements` within `budget` (the closest to the reference when none is)."""
-    return min(eligible(measurements, budget), key=reference_seconds, default=None)
+    # A local first: in `return min(...)` mypy would type the key's argument as the optional result.
+    fastest = min(eligible(measurements, budget), key=reference_seconds, default=None)
+    return fastest
 
 
 def reference_seconds(measured: EngineCalibration) -> float:

@@ -121,24 +121,37 @@ PLACEMENTS_SUBJECT = "fleet.placements"
 REQUEST_STATS_SUBJECT = "fleet.stats.request"
 
 
+# Subjects with one token per message: {name} marks it (as CHANNELS and proto/ show them).
+TASK_SUBJECT = "fleet.task.{worker_id}"
+TOKEN_SUBJECT = "fleet.tok.{request_id}"
+CANCEL_SUBJECT = "fleet.cancel.{request_id}"
+PREFILL_SUBJECT = "fleet.prefill.{worker_id}"
+METRICS_SUBJECT = "fleet.metrics.{node_id}"
+
+
 def task_subject(worker_id: str) -> str:
-    return f"fleet.task.{subject_token(worker_id)}"
+    return TASK_SUBJECT.format(worker_id=subject_token(worker_id))
 
 
 def token_subject(request_id: str) -> str:
-    return f"fleet.tok.{subject_token(request_id)}"
+    return TOKEN_SUBJECT.format(request_id=subject_token(request_id))
 
 
 def cancel_subject(request_id: str) -> str:
-    return f"fleet.cancel.{subject_token(request_id)}"
+    return CANCEL_SUBJECT.format(request_id=subject_token(request_id))
 
 
 def prefill_subject(worker_id: str) -> str:
-    return f"fleet.prefill.{subject_token(worker_id)}"
+    return PREFILL_SUBJECT.format(worker_id=subject_token(worker_id))
 
 
 def metrics_subject(node_id: str) -> str:
-    return f"fleet.metrics.{subject_token(node_id)}"
+    return METRICS_SUBJECT.format(node_id=subject_token(node_id))
+
+
+# What a subscriber to every request's or node's messages listens on.
+ALL_CANCELS_SUBJECT = CANCEL_SUBJECT.format(request_id="*")
+ALL_METRICS_SUBJECT = METRICS_SUBJECT.format(node_id="*")
 
 
 TRACE_SPANS_SUBJECT = "fleet.traces.spans"
@@ -169,20 +182,20 @@ CHANNELS: tuple[Channel, ...] = (
         for t in EVENT_TYPES
     ),
     Channel(
-        subject="fleet.task.{worker_id}",
+        subject=TASK_SUBJECT,
         messages=(GenerateTask,),
         retention=Retention.WORK_QUEUE,
         stream=TASK_STREAM.name,
         description="Generation tasks for one worker (token ids in, token ids out).",
     ),
     Channel(
-        subject="fleet.tok.{request_id}",
+        subject=TOKEN_SUBJECT,
         messages=(TokenChunk,),
         retention=Retention.CORE,
         description="Token stream of one request, worker -> gateway.",
     ),
     Channel(
-        subject="fleet.cancel.{request_id}",
+        subject=CANCEL_SUBJECT,
         messages=(CancelRequest,),
         retention=Retention.CORE,
         description="Cancel one request wherever it runs.",
@@ -195,7 +208,7 @@ CHANNELS: tuple[Channel, ...] = (
         description="Routing decision, gateway -> scheduler (request/reply).",
     ),
     Channel(
-        subject="fleet.prefill.{worker_id}",
+        subject=PREFILL_SUBJECT,
         messages=(PrefillRequest,),
         reply=PrefillReply,
         retention=Retention.CORE,
@@ -221,7 +234,7 @@ CHANNELS: tuple[Channel, ...] = (
         description="Timings and token counts of every finished request (gateway -> metrics-collector).",
     ),
     Channel(
-        subject="fleet.metrics.{node_id}",
+        subject=METRICS_SUBJECT,
         messages=(NodeMetrics,),
         retention=Retention.CORE,
         description="A node's dynamic metrics, about once a second.",

@@ -8,6 +8,11 @@ import sys
 import time
 
 
+def describe_error(error: BaseException) -> str:
+    """An exception as an error message or a log line's reason: "<type>: <text>"."""
+    return f"{type(error).__name__}: {error}"
+
+
 class JsonFormatter(logging.Formatter):
     def __init__(self, service: str) -> None:
         super().__init__()

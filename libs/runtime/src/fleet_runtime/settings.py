@@ -10,6 +10,7 @@ import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import msgspec
@@ -151,7 +152,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     FLEET_<FIELD>_FILE names a file holding the value instead (Docker and Kubernetes secrets), so
     passwords and keys need not sit in the environment. FLEET_REDIS_PASSWORD goes into the Redis URL."""
     source = os.environ if env is None else env
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}  # each parsed to its field's type
     for field in msgspec.structs.fields(Settings):
         name = PREFIX + field.name.upper()
         if name + "_FILE" in source:

@@ -1,7 +1,9 @@
 """Model cards: what placement needs to know about a staged model, derived from its manifest.
 
 Pure: everything comes from the manifest (config.json and the file list) and, optionally, the text of
-a few small files (`CARD_TEXT_FILES`) that the caller read from the model folder or the store.
+a few small files (`CARD_TEXT_FILES`) that the caller read from the model folder or the store. What
+a model's name implies (its publisher's conventions) is computed here too, into the card's facts:
+placement reads those, never the name.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fleet_proto import ModelCard
+import msgspec
+
+from fleet_proto import ModelCard, NodeKind
 from fleet_store.manifest import ManifestFile, ModelManifest
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -21,6 +25,10 @@ CARD_TEXT_FILES: tuple[str, ...] = (TOKENIZER_CONFIG, SAFETENSORS_INDEX)
 
 DEFAULT_DTYPE = "bfloat16"
 MLX_PUBLISHER = "mlx-community"
+MLX_FORMAT = "mlx"  # ModelCard.quantization_format of MLX's packed quantized weights
+# mlx-community publishes MLX conversions: they run best on Apple silicon, then on CPUs.
+MLX_PUBLISHER_KINDS = (NodeKind.APPLE, NodeKind.CPU)
+_UNQUANTIZED = frozenset({"", "bf16", "fp16", "bfloat16", "float16", "fp32", "float32"})
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
@@ -78,7 +86,7 @@ def _layers(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
     return (text, config) if isinstance(text, Mapping) else (config,)
 
 
-def _lookup(layers: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> Any:
+def _lookup(layers: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> object:
     for layer in layers:
         for key in keys:
             if layer.get(key) is not None:
@@ -152,6 +160,39 @@ def _supported_engines(quantization: str, paths: set[str]) -> tuple[str, ...]:
     if len([p for p in paths if "/" not in p and p.endswith(".gguf")]) == 1:
         engines.append("llamacpp")
     return tuple(engines)
+
+
+def with_conventions(card: ModelCard) -> ModelCard:
+    """`card` with the facts its name and quantization imply, which placement reads instead of the
+    name: whether its weights are MLX-quantized (an "mlx-" quantization from anyone, or any
+    quantization from mlx-community, whose configs may not say MLX), and the node kinds it runs best
+    on (mlx-community's conversions: Apple silicon, then CPUs)."""
+    mlx_community = card.publisher == MLX_PUBLISHER or card.model_id.startswith(MLX_PUBLISHER + "/")
+    quantization = card.quantization.lower()
+    mlx_quantized = quantization.startswith("mlx-") or (mlx_community and quantization not in _UNQUANTIZED)
+    return msgspec.structs.replace(
+        card,
+        quantization_format=MLX_FORMAT if mlx_quantized else "",
+        preferred_node_kinds=MLX_PUBLISHER_KINDS if mlx_community else (),
+    )
+
+
+def stand_in_card(model_id: str, storage_bytes: int) -> ModelCard:
+    """The card of a model still downloading, known only by its size (layer count unknown: one
+    layer), so that placement can size it before its real card is built."""
+    return with_conventions(
+        ModelCard(
+            model_id=model_id,
+            architecture="",
+            num_layers=1,
+            hidden_size=0,
+            num_kv_heads=0,
+            head_dim=0,
+            dtype="",
+            storage_bytes=storage_bytes,
+            publisher=publisher_of(model_id),
+        )
+    )
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -239,7 +280,7 @@ def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = N
     publisher = publisher_of(model_id)
     quantization = _quantization(config, publisher)
     paths = {file.path for file in manifest.files}
-    return ModelCard(
+    card = ModelCard(
         model_id=model_id,
         architecture=architecture,
         num_layers=num_layers,
@@ -255,3 +296,4 @@ def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = N
         has_chat_template=_has_chat_template(model_id, paths, texts),
         supported_engines=_supported_engines(quantization, paths),
     )
+    return with_conventions(card)

@@ -58,11 +58,18 @@ class ObjectInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class S3Settings(Protocol):
-    s3_endpoint: str
-    s3_access_key: str
-    s3_secret_key: str
-    s3_secure: bool
-    s3_region: str
+    """Read-only, so frozen settings (fleet_runtime.Settings) match."""
+
+    @property
+    def s3_endpoint(self) -> str: ...
+    @property
+    def s3_access_key(self) -> str: ...
+    @property
+    def s3_secret_key(self) -> str: ...
+    @property
+    def s3_secure(self) -> bool: ...
+    @property
+    def s3_region(self) -> str: ...
 
 
 def part_size_for(size: int) -> int:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import msgspec
 from minio.datatypes import Part
 from minio.error import S3Error
+from minio.helpers import DictType
 
 from fleet_store.client import MAX_PARTS, SHA256_METADATA, ObjectInfo, ObjectStore
 from fleet_store.errors import IntegrityError
@@ -139,13 +140,13 @@ class _Multipart:
         self._store, self._client, self.bucket, self.key = store, store._client, bucket, key
 
     def create(self, sha256: str) -> str:
-        headers = {SHA256_METADATA: sha256, "Content-Type": "application/octet-stream"}
+        headers: DictType = {SHA256_METADATA: sha256, "Content-Type": "application/octet-stream"}
         with self._store._translated(self.bucket, self.key):
             return self._client._create_multipart_upload(self.bucket, self.key, headers)
 
     def upload_part(self, upload_id: str, number: int, data: bytes, md5: bytes | None = None) -> str:
         """Send one part with Content-MD5 (md5: the digest, computed here when not given)."""
-        headers = {"Content-MD5": base64.b64encode(md5 or _md5(data)).decode()}
+        headers: DictType = {"Content-MD5": base64.b64encode(md5 or _md5(data)).decode()}
         with self._store._translated(self.bucket, self.key):
             return self._client._upload_part(self.bucket, self.key, data, headers, upload_id, number)
 

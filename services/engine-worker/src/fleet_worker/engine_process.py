@@ -1,24 +1,19 @@
 """An engine in a child process, so that its crash or out-of-memory kill never takes the worker down.
 
-Parent and child exchange msgspec structs, msgpack-encoded, over a multiprocessing Pipe. The child
-(a "spawn" process: a fresh interpreter, nothing inherited from the worker's event loop or threads)
-loads the engine, reports Loaded or LoadFailed, then loops: take every pending command (waiting for
-one only when idle), step the engine, send the step's outputs. The parent side lives on the asyncio
-loop: it reads with loop.add_reader on the pipe and watches the process sentinel, so a dead child is
-noticed at once and every request still in flight gets a final "error" output.
+Parent and child exchange msgspec structs (engine_messages), msgpack-encoded, over a multiprocessing
+Pipe. The child (a "spawn" process: a fresh interpreter, nothing inherited from the worker's event
+loop or threads) runs engine_child.run_child: it loads the engine, reports Loaded or LoadFailed, then
+steps it and sends the outputs. This module is the parent side; it lives on the asyncio loop: it
+reads with loop.add_reader on the pipe and watches the process sentinel, so a dead child is noticed
+at once and every request still in flight gets a final "error" output.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
-import os
 import signal
-import threading
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -26,47 +21,19 @@ from typing import Any
 
 import msgspec
 
-from fleet_worker.engines.base import Engine, EngineOutput, EngineRequest, KVChanges, Lockstep, load_engine
-
-
-class Submit(msgspec.Struct, frozen=True, tag=True):
-    request: EngineRequest
-
-
-class Cancel(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
-
-
-class Shutdown(msgspec.Struct, frozen=True, tag=True):
-    pass
-
-
-class LoadProgressed(msgspec.Struct, frozen=True, tag=True):
-    layers_loaded: int
-    layers_total: int
-
-
-class Loaded(msgspec.Struct, frozen=True, tag=True):
-    load_time_s: float
-
-
-class LoadFailed(msgspec.Struct, frozen=True, tag=True):
-    reason: str
-
-
-class Outputs(msgspec.Struct, frozen=True, tag=True):
-    outputs: list[EngineOutput]
-    kv: KVChanges = KVChanges()
-
-
-class Failed(msgspec.Struct, frozen=True, tag=True):
-    """The engine raised out of a step (e.g. a pipeline rank lost its ring): the child exits."""
-
-    reason: str
-
-
-ToChild = Submit | Cancel | Shutdown
-FromChild = LoadProgressed | Loaded | LoadFailed | Outputs | Failed
+from fleet_worker.engine_child import run_child
+from fleet_worker.engine_messages import (
+    Cancel,
+    Failed,
+    FromChild,
+    Loaded,
+    LoadFailed,
+    LoadProgressed,
+    Outputs,
+    Shutdown,
+    Submit,
+)
+from fleet_worker.engines.base import EngineOutput, EngineRequest, KVChanges
 
 
 class EngineLoadError(RuntimeError):
@@ -91,158 +58,6 @@ def describe_exit(code: int | None) -> str:
         name = f"signal {-code}"
     hint = " (out of memory? the kernel's OOM killer sends it)" if -code == signal.SIGKILL else ""
     return f"engine process was killed by {name}{hint}"
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-@dataclass
-class OutputHold:
-    """A step's outputs held up to `interval_s`, so the worker, NATS and the gateway wake once per burst
-    of tokens rather than per token (vLLM's stream interval). On a CPU those wake-ups preempt the
-    engine's compute threads mid-step: measured 1.5 ms of their CPU per token while one stream
-    decoded at ~65 tokens/s. A request's first tokens and its last output, and everything when the
-    engine goes idle, leave at once: time to first token and the end of a stream are not delayed."""
-
-    interval_s: float
-    held: list[EngineOutput] = field(default_factory=list)
-    streaming: set[str] = field(default_factory=set)  # requests whose first tokens have gone out
-    oldest_at: float = 0.0
-    urgent: bool = False
-
-    def add(self, outputs: list[EngineOutput], now: float) -> None:
-        for output in outputs:
-            if output.finish_reason or (output.token_ids and output.request_id not in self.streaming):
-                self.urgent = True
-        if outputs and not self.held:
-            self.oldest_at = now
-        self.held += outputs
-
-    def due(self, now: float, idle: bool) -> bool:
-        return bool(self.held) and (self.urgent or idle or now - self.oldest_at >= self.interval_s)
-
-    def take(self) -> list[EngineOutput]:
-        outputs, self.held, self.urgent = self.held, [], False
-        for output in outputs:
-            if output.finish_reason:
-                self.streaming.discard(output.request_id)
-            elif output.token_ids:
-                self.streaming.add(output.request_id)
-        return outputs
-
-
-def run_child(
-    conn: Connection,
-    engine_name: str,
-    model_dir: str,
-    options: dict[str, Any],
-    stream_interval_s: float = 0.0,
-) -> None:
-    """The child's main: load, then serve commands until Shutdown or until the parent goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
-    encoder = msgspec.msgpack.Encoder()
-    started = time.perf_counter()
-
-    def report(done: int, total: int) -> None:
-        conn.send_bytes(encoder.encode(LoadProgressed(layers_loaded=done, layers_total=total)))
-
-    def progress(output: EngineOutput) -> None:  # from inside a step: sent at once, not with its outputs
-        conn.send_bytes(encoder.encode(Outputs(outputs=[output])))
-
-    try:
-        engine = load_engine(
-            engine_name, Path(model_dir), on_load_progress=report, on_prefill_progress=progress, **options
-        )
-    except Exception as error:
-        conn.send_bytes(encoder.encode(LoadFailed(reason=_describe(error))))
-        return
-    conn.send_bytes(encoder.encode(Loaded(load_time_s=time.perf_counter() - started)))
-    lockstep = getattr(engine, "lockstep", None)
-    try:
-        if lockstep is None:
-            _serve(conn, engine, encoder, OutputHold(stream_interval_s))
-        else:
-            _serve_lockstep(conn, engine, encoder, lockstep)
-    except (EOFError, OSError):
-        pass  # the parent closed its end or died: nobody is left to read outputs
-    except Exception as error:
-        conn.send_bytes(encoder.encode(Failed(reason=_describe(error))))
-        raise
-    finally:
-        engine.close()
-
-
-def _apply(engine: Engine, command: ToChild, outputs: list[EngineOutput]) -> bool:
-    """Hand one command to the engine; False on Shutdown."""
-    if isinstance(command, Shutdown):
-        return False
-    if isinstance(command, Cancel):
-        engine.cancel(command.request_id)
-        return True
-    try:
-        engine.add(command.request)
-    except Exception as error:
-        outputs.append(
-            EngineOutput(request_id=command.request.request_id, finish_reason="error", error=_describe(error))
-        )
-    return True
-
-
-def _pending_commands(conn: Connection, engine: Engine, decoder: msgspec.msgpack.Decoder) -> list[ToChild]:
-    """Block only when idle; with work in hand take just what has already arrived."""
-    commands: list[ToChild] = []
-    while conn.poll(0 if commands or engine.has_work() else None):
-        commands.append(decoder.decode(conn.recv_bytes()))
-    return commands
-
-
-def _serve(conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder, hold: OutputHold) -> None:
-    decoder = msgspec.msgpack.Decoder(ToChild)
-    while True:
-        outputs: list[EngineOutput] = []
-        if not all(_apply(engine, c, outputs) for c in _pending_commands(conn, engine, decoder)):
-            return
-        outputs += engine.step()
-        now = time.monotonic()
-        hold.add(outputs, now)
-        if hold.due(now, idle=not engine.has_work()):
-            conn.send_bytes(encoder.encode(Outputs(outputs=hold.take())))
-        # after the tokens: an engine may write the step's KV blocks only now (vLLM's connector)
-        if kv := engine.take_kv_changes():
-            conn.send_bytes(encoder.encode(Outputs(outputs=hold.take(), kv=kv)))
-
-
-def _serve_lockstep(
-    conn: Connection, engine: Engine, encoder: msgspec.msgpack.Encoder, lockstep: Lockstep
-) -> None:
-    """One rank of a pipeline: rank 0 takes the worker's commands and shares them before each step,
-    so every rank adds, cancels and steps alike; only rank 0's outputs go to its worker. Another
-    rank waits in the ring, so its worker's Shutdown (or death) is watched on a thread."""
-    decoder = msgspec.msgpack.Decoder(ToChild)
-    batch_decoder = msgspec.msgpack.Decoder(list[ToChild])
-    if lockstep.rank > 0:
-        threading.Thread(target=_exit_on_shutdown, args=(conn, decoder), daemon=True).start()
-    while True:
-        payload = b""
-        if lockstep.rank == 0:
-            commands = _pending_commands(conn, engine, decoder)
-            payload = encoder.encode(commands) if commands else b""
-        shared = lockstep.share_bytes(payload)
-        outputs: list[EngineOutput] = []
-        if shared and not all(_apply(engine, c, outputs) for c in batch_decoder.decode(shared)):
-            return
-        outputs += engine.step()
-        engine.take_kv_changes()  # a rank's blocks are its own, never indexed: only drained
-        if lockstep.rank == 0 and outputs:
-            conn.send_bytes(encoder.encode(Outputs(outputs=outputs)))
-
-
-def _exit_on_shutdown(conn: Connection, decoder: msgspec.msgpack.Decoder) -> None:
-    with contextlib.suppress(EOFError, OSError):
-        while not isinstance(decoder.decode(conn.recv_bytes()), Shutdown):
-            pass
-    os._exit(0)  # the main thread may be blocked in the ring: nothing else would end it
 
 
 class EngineProcess:

@@ -48,7 +48,9 @@ class NvmlReader:
         global _open_failure_logged
         try:
             if nvml is None:
-                import pynvml as nvml
+                import pynvml
+
+                nvml = pynvml
             nvml.nvmlInit()
             return cls(nvml)
         except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
@@ -83,8 +85,8 @@ class NvmlReader:
         for handle in self._handles():
             if handle is None:
                 continue
-            name = _field(lambda h=handle: _text(self._nvml.nvmlDeviceGetName(h)), "name")
-            total = _field(lambda h=handle: int(self._nvml.nvmlDeviceGetMemoryInfo(h).total), "memory")
+            name = _field(lambda h: _text(self._nvml.nvmlDeviceGetName(h)), handle, "name")
+            total = _field(lambda h: int(self._nvml.nvmlDeviceGetMemoryInfo(h).total), handle, "memory")
             if total is None or total <= 0:
                 total = self._system_memory_bytes()
             gpus.append(GpuInfo(name=name or "NVIDIA GPU", vendor=NVIDIA, memory_bytes=total))
@@ -98,12 +100,12 @@ class NvmlReader:
             if handle is None:
                 samples.append(GpuSample(index=index))
                 continue
-            util = _field(lambda h=handle: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0, "utilization")
+            util = _field(lambda h: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0, handle, "utilization")
             temp = _field(
-                lambda h=handle: float(nvml.nvmlDeviceGetTemperature(h, temperature_sensor)), "temp"
+                lambda h: float(nvml.nvmlDeviceGetTemperature(h, temperature_sensor)), handle, "temp"
             )
-            power = _field(lambda h=handle: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0, "power")  # mW -> W
-            memory = _field(lambda h=handle: nvml.nvmlDeviceGetMemoryInfo(h), "memory")
+            power = _field(lambda h: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0, handle, "power")  # mW -> W
+            memory = _field(lambda h: nvml.nvmlDeviceGetMemoryInfo(h), handle, "memory")
             samples.append(
                 GpuSample(
                     index=index,
@@ -117,10 +119,10 @@ class NvmlReader:
         return tuple(samples)
 
 
-def _field(read: Callable[[], Any], what: str) -> Any:
-    """The value, or None when the device does not support it (or reading it failed)."""
+def _field(read: Callable[[Any], Any], handle: Any, what: str) -> Any:
+    """`read(handle)`, or None when the device does not support it (or reading it failed)."""
     try:
-        return read()
+        return read(handle)
     except Exception as exc:
         if getattr(exc, "value", None) != NVML_ERROR_NOT_SUPPORTED:
             log.debug("NVML %s read failed: %r", what, exc)

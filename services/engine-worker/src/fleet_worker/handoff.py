@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from nats.aio.subscription import Subscription
 from opentelemetry.trace import Span, StatusCode, set_span_in_context
 
 from fleet_bus import Bus, RequestFailed
@@ -100,7 +101,7 @@ class PrefillServer:
         self._waiting: dict[str, Handoff] = {}  # stream handoffs not connected yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
-        self._subscription = None
+        self._subscription: Subscription | None = None
         self.endpoints: tuple[str, ...] = ()
 
     async def start(self) -> None:

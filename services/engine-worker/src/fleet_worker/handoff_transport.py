@@ -18,6 +18,7 @@ HandoffFailed: the decoder then prefills locally. A receiver hears of the reques
 from __future__ import annotations
 
 import asyncio
+import builtins
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -63,7 +64,7 @@ class Received:
     first_token: int = -1  # the request's first token, when the prefill sampled it
     on_first_token: FirstTokenHook | None = None
 
-    async def took(self, blob: bytes) -> bool:
+    async def took(self, blob: builtins.bytes) -> bool:  # plain `bytes` would name the field above
         """Count an arrived chunk (telling on_first_token of the first token the first time it
         comes); True when it is the last one."""
         self.last_at = time.perf_counter()

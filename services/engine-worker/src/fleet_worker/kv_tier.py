@@ -235,8 +235,8 @@ class WorkerKV:
             if not self._index_stale and await self._index.node_marked(self._node_id):
                 return True
             held = {fp: sorted(hashes) for fp, hashes in self._in_memory.items()}
-            for fingerprint, hashes in held.items():
-                await self._index.add(fingerprint, hashes, self._node_id)
+            for fingerprint, ordered in held.items():
+                await self._index.add(fingerprint, ordered, self._node_id)
             for fingerprint, hashes in list(self._lost_tier2.items()):
                 await self._index.add(fingerprint, sorted(hashes), TIER2)
             for fingerprint, hashes in list(self._lost_removals.items()):

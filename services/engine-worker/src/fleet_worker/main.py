@@ -18,17 +18,19 @@ from nats.aio.msg import Msg
 from fleet_bus import consume_tasks
 from fleet_proto import CancelRequest, GenerateTask, ModelDeleted, NodeJoined, NodeLeft, ServiceKind
 from fleet_proto.quality import parse_budget
-from fleet_proto.subjects import metrics_subject
+from fleet_proto.subjects import ALL_CANCELS_SUBJECT, metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import KV_BUCKET, ObjectStore, StoreError
 from fleet_store.kv import KVFolder
 from fleet_store.kv_index import KVIndex
+from fleet_worker.calibrating import Calibration
 from fleet_worker.calibration import MODES as CALIBRATION_MODES
 from fleet_worker.calibration import CalibrationStore
 from fleet_worker.cancels import RecentCancels, honouring_early_cancels
+from fleet_worker.engine_options import KVSettings, parse_engine_options
 from fleet_worker.gpu import NvmlReader
 from fleet_worker.handoff import HandoffClient, PrefillServer
-from fleet_worker.instances import Calibration, InstanceManager, KVSettings, parse_engine_options
+from fleet_worker.instances import InstanceManager
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
 from fleet_worker.probe import (
@@ -175,7 +177,7 @@ async def main(ctx: ServiceContext) -> None:
         cancels.add(request_id)
         manager.cancel(request_id)
 
-    cancel_sub = await ctx.bus.nc.subscribe("fleet.cancel.*", cb=on_cancel)
+    cancel_sub = await ctx.bus.nc.subscribe(ALL_CANCELS_SUBJECT, cb=on_cancel)
     task_decoder = msgspec.json.Decoder(GenerateTask)
     ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, kv, overrides, gpus), "node-metrics")
     ctx.spawn(follow_assignments(ctx, manager), "assignments")

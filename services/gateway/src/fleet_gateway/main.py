@@ -31,6 +31,7 @@ from fleet_gateway.sampling import RequestLimits
 from fleet_gateway.trace_routes import trace_routes, tracing_middleware
 from fleet_gateway.turns import Turns
 from fleet_proto import ServiceKind
+from fleet_proto.subjects import ALL_METRICS_SUBJECT
 from fleet_runtime.health import health_handler, start_http
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import ObjectStore
@@ -47,7 +48,7 @@ async def main(ctx: ServiceContext) -> None:
     store = ObjectStore.from_settings(ctx.settings)
     await asyncio.to_thread(store.check)
     liveness = NodeLiveness()
-    metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=liveness.on_metrics)
+    metrics_sub = await ctx.bus.nc.subscribe(ALL_METRICS_SUBJECT, cb=liveness.on_metrics)
     catalog = ModelCatalog(store, Path(ctx.settings.state_dir) / "gateway" / "tokenizers")
     generator = Generator(
         ctx.bus,
@@ -87,7 +88,11 @@ async def main(ctx: ServiceContext) -> None:
     app.add_routes(anthropic_routes(turns))
     app.add_routes(ollama_routes(turns, ctx.follower))
     document = openapi_document()
-    app.router.add_get("/openapi.json", lambda _: web.json_response(document))
+
+    async def openapi_json(_: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/openapi.json", openapi_json)
     app.add_routes(dashboard_routes(ctx.follower, redis, liveness.live_samples))
     app.add_routes(trace_routes(ctx.bus))
     app.add_routes(kv_routes(KVIndex(redis), ctx.settings.kv_block_size, liveness.live_samples))

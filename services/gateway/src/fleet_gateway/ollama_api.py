@@ -111,9 +111,9 @@ def _check_common(req: ChatRequest | GenerateRequest) -> None:
 
 def sampling_ask(req: ChatRequest | GenerateRequest) -> SamplingAsk:
     options = req.options or Options()
-    bounded = options.num_predict is not None and options.num_predict >= 0
+    num_predict = options.num_predict
     return SamplingAsk(
-        max_tokens=max(options.num_predict, 1) if bounded else None,
+        max_tokens=max(num_predict, 1) if num_predict is not None and num_predict >= 0 else None,
         temperature=options.temperature,
         top_p=options.top_p,
         top_k=options.top_k,
@@ -255,6 +255,7 @@ class ChatLines:
 
     def line(self, delta: Delta, done: dict[str, Any] | None = None) -> dict[str, Any]:
         head = {"model": self.model, "created_at": created_at(self.now)}
+        body: dict[str, Any]
         if self.generate:
             body = {"response": delta.content} | ({"thinking": delta.reasoning} if delta.reasoning else {})
         else:
@@ -324,7 +325,9 @@ def ps_body(state: State) -> dict[str, Any]:
     }
 
 
-def show_body(card: ModelCard | None, template: str, context_length: int, capabilities: list[str]):
+def show_body(
+    card: ModelCard | None, template: str, context_length: int, capabilities: list[str]
+) -> dict[str, Any]:
     architecture = card.architecture if card else ""
     info: dict[str, Any] = {"general.architecture": architecture}
     if architecture:

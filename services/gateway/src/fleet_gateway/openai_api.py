@@ -19,7 +19,7 @@ from fleet_gateway.errors import ApiError, decode_json_body, error_body
 from fleet_gateway.frames import SSE, Finished, sse_data
 from fleet_gateway.openai_sampling import SamplingFields, validate_sampling
 from fleet_gateway.openai_sampling import sampling_ask as shared_sampling_ask
-from fleet_gateway.parsing.output import Delta, TokenScore
+from fleet_gateway.parsing.output import Delta, TokenScore, ToolCall
 from fleet_gateway.sampling import SamplingAsk
 from fleet_gateway.tool_grammar import ForcedCalls, forced_calls
 
@@ -211,7 +211,7 @@ def _named_function(choice: str | dict[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def tool_call_items(calls) -> list[dict[str, Any]]:
+def tool_call_items(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     """Parsed tool calls as OpenAI's message.tool_calls."""
     return [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

@@ -15,7 +15,7 @@ from fleet_gateway import anthropic_api, completions_api, ollama_api, openai_api
 
 REF = "#/components/schemas/{name}"
 OBJECT = {"type": "object"}
-OPENAI_ERROR = {
+OPENAI_ERROR: dict[str, Any] = {
     "type": "object",
     "required": ["error"],
     "properties": {
@@ -26,7 +26,7 @@ OPENAI_ERROR = {
         }
     },
 }
-ANTHROPIC_ERROR = {
+ANTHROPIC_ERROR: dict[str, Any] = {
     "type": "object",
     "required": ["type", "error"],
     "properties": {
@@ -34,7 +34,11 @@ ANTHROPIC_ERROR = {
         "error": {"type": "object", "required": ["type", "message"]},
     },
 }
-OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+OLLAMA_ERROR: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
 ERROR_STATUSES = ("400", "404", "413", "503")
 
 # (path, request struct, error schema, content type of a streamed answer, summary)

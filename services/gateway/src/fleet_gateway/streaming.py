@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
@@ -42,7 +42,7 @@ def choice_frames(stream_format: ChoicesFormat, choice: Choice) -> list[bytes]:
 async def write_stream(
     request: web.Request,
     stream_format: StreamFormat,
-    events: AsyncIterator[T],
+    events: AsyncGenerator[T, None],
     frames_of: Callable[[T], list[bytes]],
     tracing: Tracing,
 ) -> web.StreamResponse:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,12 +172,16 @@ def _named_schema(spec: JsonSchemaSpec, where: str) -> StructuredOutput:
     return json_schema(spec.schema, f"{where}.schema")
 
 
+# A field's value and its param -> the constraint; each maker takes its own field's kind of value.
+Maker = Callable[[Any, str], StructuredOutput]
+
+
 def structured_outputs(ask: StructuredOutputsAsk | None) -> list[Constraint]:
     """Every constraint set in vLLM's `structured_outputs`, each named by its key
     (`structured_outputs.regex`); one_constraint refuses more than one."""
     if ask is None:
         return []
-    asked = [
+    asked: list[tuple[str, object, Maker]] = [
         ("json", ask.json, json_schema),
         ("regex", ask.regex, regex),
         ("choice", ask.choice, choice),
@@ -200,7 +205,7 @@ def guided(
     guided_grammar: str | None,
 ) -> list[Constraint]:
     """vLLM's older guided_* fields, each its own param."""
-    asked = [
+    asked: list[tuple[str, object, Maker]] = [
         ("guided_json", guided_json, json_schema),
         ("guided_regex", guided_regex, regex),
         ("guided_choice", guided_choice, choice),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -200,7 +200,7 @@ class Run:
         self,
         prepared: Prepared,
         first: TokenChunk | None,
-        chunks: AsyncIterator[TokenChunk],
+        chunks: AsyncGenerator[TokenChunk, None],
         tracing: Tracing,
     ):
         self.prepared = prepared
@@ -216,7 +216,7 @@ class Run:
         """Stop a run whose events are never read (the engine is told to cancel)."""
         await self._chunks.aclose()
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         step = self.prepared.new_step()
         engine_reason, last, first_token_at, outputs = "stop", None, 0.0, 0
         try:
@@ -342,15 +342,8 @@ class Turns:
     async def start(self, request_id: str, prepared: Prepared, **choices: str) -> Run:
         """Route and send the task; wait for its first chunk (errors here are still responses)."""
         model = prepared.model
-        chunks = aiter(
-            self._generator.generate(
-                request_id,
-                model.model_id,
-                prepared.prompt,
-                prepared.sampling,
-                model.kv_fingerprint,
-                **choices,
-            )
+        chunks = self._generator.generate(
+            request_id, model.model_id, prepared.prompt, prepared.sampling, model.kv_fingerprint, **choices
         )
         try:
             first = await anext(chunks, None)

@@ -23,6 +23,8 @@ from fleet_metrics.traces import TraceStore
 from fleet_proto import NodeMetrics, ServiceKind
 from fleet_proto.messages import RequestStats
 from fleet_proto.subjects import (
+    ALL_METRICS_SUBJECT,
+    REQUEST_STATS_SUBJECT,
     TRACE_DELETE_SUBJECT,
     TRACE_GET_SUBJECT,
     TRACE_LIST_SUBJECT,
@@ -45,8 +47,6 @@ from fleet_store.series import BadQuery, parse_series_query
 
 log = logging.getLogger("fleet_metrics")
 
-METRICS_SUBJECT = "fleet.metrics.*"
-REQUEST_STATS_SUBJECT = "fleet.stats.request"
 SERIES_INTERVAL_S = 1.0  # at most one Redis write per node per interval
 MAX_REQUESTS_PER_FLUSH = 1000  # finished requests written per interval (the rest wait for the next)
 
@@ -139,7 +139,7 @@ async def main(ctx: ServiceContext) -> None:
             del finished[: len(requests)]
             await writer.flush(requests, batch)
 
-    sub = await ctx.bus.nc.subscribe(METRICS_SUBJECT, cb=on_metrics)
+    sub = await ctx.bus.nc.subscribe(ALL_METRICS_SUBJECT, cb=on_metrics)
     ctx.on_shutdown(sub.unsubscribe)
     stats_sub = await ctx.bus.nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_request_stats)
     ctx.on_shutdown(stats_sub.unsubscribe)

@@ -25,16 +25,24 @@ DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 
 
 class RequestStatsLike(Protocol):
-    """The fields of fleet_proto.messages.RequestStats that the registry reads."""
+    """The fields of fleet_proto.messages.RequestStats that the registry reads (read-only: it is frozen)."""
 
-    model_id: str
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    tpot_s: float
-    total_s: float
-    finish_reason: str
-    prefix_cached_tokens: int
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def ttft_s(self) -> float: ...
+    @property
+    def tpot_s(self) -> float: ...
+    @property
+    def total_s(self) -> float: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def prefix_cached_tokens(self) -> int: ...
 
 
 class NodeCollector(Collector):
@@ -104,7 +112,7 @@ def node_families(samples: Iterable[NodeMetrics]) -> list[Metric]:
             queued.add_metric([n, instance_id], value)
         for g in getattr(s, "gpus", ()) or ():
             labels = [n, str(_get(g, "index"))]
-            for family, field in (
+            for gauge, field in (
                 (gpu_util, "utilization_ratio"),
                 (gpu_temp, "temperature_c"),
                 (gpu_power, "power_w"),
@@ -112,7 +120,7 @@ def node_families(samples: Iterable[NodeMetrics]) -> list[Metric]:
             ):
                 value = _get(g, field)
                 if _known(value):
-                    family.add_metric(labels, float(value))
+                    gauge.add_metric(labels, float(value))
     families = [mem_used, mem_avail, cpu, disk, active, queued, gpu_util, gpu_temp, gpu_power, gpu_mem]
     return [*families, kv_memory, *kv_counters.values()]
 

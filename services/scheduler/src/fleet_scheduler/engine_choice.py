@@ -16,17 +16,18 @@ from collections.abc import Mapping
 import msgspec
 
 from fleet_proto import Instance, InstanceStatus, Shard, State
+from fleet_proto.engines import ENGINE_FACTS, EngineFacts
 from fleet_proto.speed import MEASURED, calibration, engine_order, reference_seconds
-from fleet_scheduler.placement import ENGINE_CAPS, EngineCaps, node_engines, place
+from fleet_scheduler.placement import node_engines, place, staged_card
 
 UPGRADE_MARGIN = 0.8
 
 
-def faster_engine(state: State, instance: Instance, caps: Mapping[str, EngineCaps] = ENGINE_CAPS) -> str:
+def faster_engine(state: State, instance: Instance, caps: Mapping[str, EngineFacts] = ENGINE_FACTS) -> str:
     """The engine `instance` should move to on its node, or "" when it should stay."""
     if instance.engine_pinned or instance.is_pipeline or instance.role != "both":
         return ""
-    node, card = state.nodes.get(instance.node_id), state.models.get(instance.model_id)
+    node, card = state.nodes.get(instance.node_id), staged_card(state, instance.model_id)
     if instance.status != InstanceStatus.READY or node is None or card is None:
         return ""
     engines = node_engines(card, node, caps)
@@ -43,7 +44,7 @@ def faster_engine(state: State, instance: Instance, caps: Mapping[str, EngineCap
 
 
 def moved_to_engine(
-    state: State, instance: Instance, engine: str, caps: Mapping[str, EngineCaps] = ENGINE_CAPS
+    state: State, instance: Instance, engine: str, caps: Mapping[str, EngineFacts] = ENGINE_FACTS
 ) -> Instance:
     """`instance`'s next generation on its node with `engine`, its own memory no longer counted
     (PlacementError when it does not fit there)."""

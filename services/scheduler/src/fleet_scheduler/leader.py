@@ -164,8 +164,9 @@ class LeaderLease:
             tasks.clear()
 
         campaign = asyncio.create_task(self.run(on_elected, on_lost), name=f"lease-{self.key}")
+        either: list[asyncio.Future[Any]] = [campaign, crashed]
         try:
-            await asyncio.wait([campaign, crashed], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not campaign.done():
                 campaign.cancel()
@@ -192,11 +193,27 @@ class LeaderLease:
                 return
             try:
                 async with asyncio.timeout(self._bus.timeout_s):
-                    await self._kv.delete(self.key, last=revision)
-            except (*_NATS_TROUBLE, KeyWrongLastSequenceError) as exc:  # wrong last seq: not ours anymore
+                    try:
+                        await self._kv.delete(self.key, last=revision)
+                    except KeyWrongLastSequenceError:
+                        # a renewal cancelled by the shutdown may have landed after all (the key
+                        # names us at a later revision): delete that one; else it is not ours
+                        await self._kv.delete(self.key, last=await self._own_revision(self._kv))
+            except (*_NATS_TROUBLE, KeyWrongLastSequenceError) as exc:
                 log.warning("could not release the leader lease (it will expire): %s", error_text(exc))
             else:
                 log.info("%s released the leader lease", self.holder_id)
+
+    async def _own_revision(self, kv: KeyValue) -> int:
+        """The key's revision while it names us; KeyWrongLastSequenceError when it does not."""
+        try:
+            entry = await kv.get(self.key)
+            current = msgspec.json.decode(entry.value or b"", type=LeaseValue)
+        except (KeyNotFoundError, msgspec.DecodeError):
+            raise KeyWrongLastSequenceError from None
+        if current.holder != self.holder_id or entry.revision is None:
+            raise KeyWrongLastSequenceError
+        return entry.revision
 
     async def _bucket(self) -> KeyValue | None:
         """Bind to the bucket (created by ensure_streams), waiting for it; None once released."""

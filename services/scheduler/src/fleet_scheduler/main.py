@@ -3,7 +3,8 @@
 Every replica follows State and answers `fleet.route` and `fleet.placements`; the replica holding
 the leader lease also consumes commands (placement), times out silent workers (failover), places
 failed pipelines again and moves instances to engines their nodes measured faster. Decisions are
-pure functions (placement.py, liveness.py, replacement.py, engine_choice.py, fleet_proto.routing).
+pure functions (placement.py, liveness.py, replacement.py, engine_choice.py, fleet_proto.routing);
+every placement change they make, commanded or not, is published by one Placer (placer.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -22,28 +24,27 @@ from fleet_proto import (
     Command,
     CreateInstance,
     DeleteInstance,
-    Instance,
-    InstanceDeleted,
     InstanceFailed,
     InstancePlaced,
     InstanceReady,
-    InstanceStatus,
-    InstanceStatusChanged,
     NodeJoined,
     NodeMetrics,
     PlacementsReply,
     PlacementsRequest,
     RouteDecided,
+    RouteReply,
     RouteRequest,
     ServiceKind,
+    State,
 )
 from fleet_proto.routing import route
-from fleet_proto.subjects import PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
+from fleet_proto.subjects import ALL_METRICS_SUBJECT, PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
 from fleet_runtime.service import ServiceContext, run
 from fleet_scheduler.engine_choice import faster_engine, moved_to_engine
 from fleet_scheduler.leader import LeaderLease
 from fleet_scheduler.liveness import failover_events, timed_out_nodes
-from fleet_scheduler.placement import PlacementError, place, placed_again, placement_options
+from fleet_scheduler.placement import PlacementError, placed_again, placement_options
+from fleet_scheduler.placer import Placer, created, deletion
 from fleet_scheduler.replacement import failed_pipeline, replacement
 from fleet_store.kv_index import TIER2, KVIndex, cached_prefix_blocks, tokens_by_holder
 
@@ -111,33 +112,13 @@ class KVLookup:
         return tokens, tokens.pop(TIER2, 0), ""
 
 
-async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> None:
+async def handle_command(ctx: ServiceContext, placer: Placer, command: Command) -> None:
     state = ctx.follower.state
     match command:
         case CreateInstance():
-            if command.instance_id in state.instances:
+            instance = created(state, command)
+            if instance is None:
                 return  # a redelivered command already placed
-            try:
-                instance = place(
-                    state,
-                    command.model_id,
-                    command.instance_id,
-                    command.engine,
-                    shards=command.shards or None,
-                )
-                instance = msgspec.structs.replace(
-                    instance, role=command.role, engine_pinned=bool(command.engine)
-                )
-            except PlacementError as exc:
-                instance = Instance(
-                    instance_id=command.instance_id,
-                    model_id=command.model_id,
-                    node_id="",
-                    engine=command.engine,
-                    role=command.role,
-                    status=InstanceStatus.FAILED,
-                    reason=str(exc),
-                )
             log.info(
                 "placing %s (%s) on %s %s",
                 instance.instance_id,
@@ -145,23 +126,15 @@ async def handle_command(ctx: ServiceContext, command: Command, _: Delivery) -> 
                 instance.node_id,
                 instance.reason,
             )
-            await ctx.bus.publish_event(
-                InstancePlaced(instance=instance, origin=ctx.service_id, at=time.time())
-            )
+            await placer.place(instance)
         case DeleteInstance():
-            instance = state.instances.get(command.instance_id)
-            if instance is None:
-                return
-            if instance.status == InstanceStatus.FAILED or instance.node_id not in state.nodes:
-                event = InstanceDeleted(instance_id=instance.instance_id)  # nothing runs it: gone now
-            else:  # its worker stops routing to it, lets requests finish, unloads, reports deleted
-                event = InstanceStatusChanged(
-                    instance_id=instance.instance_id, status=InstanceStatus.DRAINING
-                )
-            await ctx.bus.publish_event(msgspec.structs.replace(event, origin=ctx.service_id, at=time.time()))
+            if (event := deletion(state, command)) is not None:
+                await placer.publish(event)
 
 
-async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker, answered: Answered) -> None:
+async def watch_liveness(
+    ctx: ServiceContext, placer: Placer, tracker: LoadTracker, answered: Answered
+) -> None:
     """Leader only: fail over nodes whose metrics stopped (a node starts its clock when first seen)."""
     timeout_s = ctx.settings.node_timeout_s
     # A new leader gives every node a full timeout: what it heard before it led says nothing, e.g. it
@@ -177,18 +150,20 @@ async def watch_liveness(ctx: ServiceContext, tracker: LoadTracker, answered: An
             reason = f"missed heartbeats for {timeout_s:.0f} s"
             log.warning("node %s timed out: failing over its instances", node_id)
 
-            for event in failover_events(state, node_id, reason, placed_again):
-                if isinstance(event, InstanceFailed):
-                    answered.add((event.instance_id, event.generation))
-                await ctx.bus.publish_event(
-                    msgspec.structs.replace(event, origin=ctx.service_id, at=time.time())
-                )
+            events = failover_events(state, node_id, reason, placed_again)
+            # answered before they are published: the pipeline reactor must not place these again
+            answered.update((e.instance_id, e.generation) for e in events if isinstance(e, InstanceFailed))
+            await placer.publish(*events)
             tracker.last_seen.pop(node_id, None)
             with contextlib.suppress(TimeoutError):  # our own NodeLeft, applied before the next check
-                await ctx.follower.wait_for(lambda s, n=node_id: n not in s.nodes, 10.0)
+                await ctx.follower.wait_for(_node_gone(node_id), 10.0)
 
 
-async def replace_failed_pipelines(ctx: ServiceContext, answered: Answered) -> None:
+def _node_gone(node_id: str) -> Callable[[State], bool]:
+    return lambda state: node_id not in state.nodes
+
+
+async def replace_failed_pipelines(ctx: ServiceContext, placer: Placer, answered: Answered) -> None:
     """Leader only: a pipeline instance a rank's failure left failed is placed again (replacement.py)."""
     replaced_at: dict[str, list[float]] = {}  # instance id -> monotonic times it was placed again
     async with ctx.follower.listen() as live:
@@ -215,12 +190,10 @@ async def replace_failed_pipelines(ctx: ServiceContext, answered: Answered) -> N
                 )
             else:
                 log.error("pipeline %s stays failed: %s", instance.instance_id, answer.reason)
-            await ctx.bus.publish_event(
-                msgspec.structs.replace(answer, origin=ctx.service_id, at=time.time())
-            )
+            await placer.publish(answer)
 
 
-async def move_to_faster_engines(ctx: ServiceContext) -> None:
+async def move_to_faster_engines(ctx: ServiceContext, placer: Placer) -> None:
     """Leader only: an instance whose node measured another engine faster for its model is placed
     again on that engine (engine_choice.py), when a node reports calibrations or an instance is ready."""
     moved: set[tuple[str, int]] = set()  # (instance, generation) already placed again
@@ -254,9 +227,7 @@ async def move_to_faster_engines(ctx: ServiceContext) -> None:
                     instance.node_id,
                     engine,
                 )
-                await ctx.bus.publish_event(
-                    InstancePlaced(instance=placed, origin=ctx.service_id, at=time.time())
-                )
+                await placer.place(placed)
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -276,12 +247,12 @@ async def main(ctx: ServiceContext) -> None:
         with contextlib.suppress(msgspec.ValidationError):
             tracker.on_metrics(metrics_decoder.decode(msg.data))
 
-    metrics_sub = await ctx.bus.nc.subscribe("fleet.metrics.*", cb=on_metrics)
+    metrics_sub = await ctx.bus.nc.subscribe(ALL_METRICS_SUBJECT, cb=on_metrics)
     ctx.on_shutdown(metrics_sub.unsubscribe)
 
     lookup = KVLookup(KVIndex(client), ctx.settings.kv_block_size)
 
-    async def on_route(request: RouteRequest):
+    async def on_route(request: RouteRequest) -> RouteReply:
         with ctx.tracing.span("kv lookup (Redis)", "kv", {"fleet.blocks": len(request.block_hashes)}) as span:
             cached, tier2, unindexed = await lookup.cached_prefixes(request)
             span.set_attributes(
@@ -319,15 +290,17 @@ async def main(ctx: ServiceContext) -> None:
             return PlacementsReply(error=str(exc))
 
     # queue groups: scheduler replicas share the request load
-    for subject, request_type, handler in (
-        (ROUTE_SUBJECT, RouteRequest, on_route),
-        (PLACEMENTS_SUBJECT, PlacementsRequest, on_placements),
-    ):
-        sub = await ctx.bus.serve(subject, request_type, handler, queue="scheduler")
-        ctx.on_shutdown(sub.unsubscribe)
+    route_sub = await ctx.bus.serve(ROUTE_SUBJECT, RouteRequest, on_route, queue="scheduler")
+    ctx.on_shutdown(route_sub.unsubscribe)
+    placements_sub = await ctx.bus.serve(
+        PLACEMENTS_SUBJECT, PlacementsRequest, on_placements, queue="scheduler"
+    )
+    ctx.on_shutdown(placements_sub.unsubscribe)
 
-    async def on_command(command: Command, delivery: Delivery) -> None:
-        await handle_command(ctx, command, delivery)
+    placer = Placer(ctx.bus.publish_event, ctx.service_id)  # every placement change leaves through it
+
+    async def on_command(command: Command, _: Delivery) -> None:
+        await handle_command(ctx, placer, command)
 
     async def commands() -> None:
         await consume_commands(ctx.bus, "scheduler", (CreateInstance, DeleteInstance), on_command)
@@ -335,13 +308,13 @@ async def main(ctx: ServiceContext) -> None:
     answered: Answered = set()
 
     async def liveness() -> None:
-        await watch_liveness(ctx, tracker, answered)
+        await watch_liveness(ctx, placer, tracker, answered)
 
     async def pipelines() -> None:
-        await replace_failed_pipelines(ctx, answered)
+        await replace_failed_pipelines(ctx, placer, answered)
 
     async def engines() -> None:
-        await move_to_faster_engines(ctx)
+        await move_to_faster_engines(ctx, placer)
 
     # Only the leader consumes commands, times out workers and re-places pipelines; a crashed duty ends
     # the leadership (and the service), so a healthy replica takes over. Routing stays on every replica.

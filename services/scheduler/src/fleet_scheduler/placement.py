@@ -1,13 +1,20 @@
 """Where a new instance runs: pure functions of State that list, score and pick placements.
 
 The rules come from the seeds (exo's vLLM-aware placement): an engine runs only where it is installed;
-a model needs its weights times the engine's headroom; MLX-quantized weights load only in MLX and not
-on CUDA; mlx-community models prefer Apple, then CPU nodes; unless the engine is asked for, the
-engine that runs the model fastest on a node comes first there (measured by its worker, else the node
-kind's prior: fleet_proto.speed); nodes that hold the files already come next; otherwise the most
-memory left after loading wins. A model that no single node fits is split by
-layers across nodes (engines whose ENGINE_CAPS allow it), each rank listening for its ring on a port
-of its node's range.
+a model needs its weights times the engine's headroom; packed quantized weights (MLX's) load only in
+engines that read their format, and only on node kinds where those engines run them (MLX: not
+CUDA); a model's card may name the node kinds it runs best on (mlx-community's: Apple, then CPU);
+unless the engine is asked for, the engine that runs the model fastest on a node comes first there
+(measured by its worker, else the node kind's prior: fleet_proto.speed); nodes that hold the files
+already come next; otherwise the most memory left after loading wins. A model that no single node
+fits is split by layers across nodes (engines whose facts say pipeline), each rank listening for its
+ring on a port of its node's range.
+
+Every rule reads facts: the engine's (fleet_proto.engines, the `engines` table) and the model's
+card (fleet_store.cards computes what its name implies); none compares an engine's or a model's name.
+
+Whole at ~480 lines: the rules above are one ordered pipeline (candidates, then their scores, then
+a pick, with the layer split as its fallback), read top to bottom like the seeds' placement.
 """
 
 from __future__ import annotations
@@ -18,17 +25,16 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import msgspec
 
-from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, NodeKind, PlacementOption, Shard, State
+from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, PlacementOption, Shard, State
+from fleet_proto.engines import ENGINE_FACTS, EngineFacts, engine_facts
 from fleet_proto.speed import describe, engine_order
+from fleet_store.cards import stand_in_card, with_conventions
 
 GiB = 2**30
-MLX_COMMUNITY = "mlx-community"
-ECHO_ENGINE = "echo"
 # A node's ring ports: [ring_port_base, ring_port_base + RING_PORT_SPAN), one per pipeline rank on its host.
 RING_PORT_SPAN = 64
 LOOPBACK = "127.0.0.1"
 NO_RINGS = "takes no part in pipelines (FLEET_RING_PORT_BASE=0)"
-_UNQUANTIZED = frozenset({"", "bf16", "fp16", "bfloat16", "float16", "fp32", "float32"})
 # Instances that hold (or will hold) memory on their nodes. A node's available memory in State is what
 # it reported when it joined, before these instances loaded, so every live instance is subtracted.
 _PROMISING = frozenset(
@@ -43,21 +49,6 @@ _PROMISING = frozenset(
 )
 
 
-class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
-    pipeline: bool  # can split a model's layers across nodes
-    memory_headroom: float = 1.3  # weights plus working memory (KV cache, activations)
-
-
-ENGINE_CAPS: dict[str, EngineCaps] = {
-    "mlx": EngineCaps(pipeline=True),  # ranks in an mx.distributed ring over TCP (issue 15)
-    "vllm": EngineCaps(pipeline=False),
-    "llamacpp": EngineCaps(pipeline=False),  # a model's GGUF file, when it was staged with one
-    # Loads no weights, so it needs no memory and runs any model: only when asked for by name, on a
-    # node that offers it (FLEET_NODE_ENGINES); never probed as installed.
-    ECHO_ENGINE: EngineCaps(pipeline=False, memory_headroom=0.0),
-}
-
-
 class PlacementError(ValueError):
     """Nothing fits; the message says why, for the user."""
 
@@ -66,7 +57,7 @@ def option_label(option: PlacementOption) -> str:
     return "+".join(s.node_id for s in option.shards)
 
 
-MAX_SPEED_RANK = 4  # engines ranked per node (all but echo)
+MAX_SPEED_RANK = 4  # engines ranked per node (those that load weights)
 
 
 def option_score(kind: int, nodes: int, uncached: int, free_after: int, speed: int = 0) -> float:
@@ -84,23 +75,20 @@ def gib(n: int) -> str:
 # --- the model ---------------------------------------------------------------------------------
 
 
+def staged_card(state: State, model_id: str) -> ModelCard | None:
+    """The staged card with the facts its name implies (a card staged before those facts were on
+    cards gets them here: they are computed from what the card has)."""
+    card = state.models.get(model_id)
+    return with_conventions(card) if card is not None else None
+
+
 def _known_card(state: State, model_id: str) -> ModelCard | None:
     """The staged card, or a stand-in sized by the download (layer count unknown: one layer)."""
-    card = state.models.get(model_id)
+    card = staged_card(state, model_id)
     status = state.downloads.get(model_id)
     if card is not None or status is None or status.total_bytes <= 0:
         return card
-    return ModelCard(
-        model_id=model_id,
-        architecture="",
-        num_layers=1,
-        hidden_size=0,
-        num_kv_heads=0,
-        head_dim=0,
-        dtype="",
-        storage_bytes=status.total_bytes,
-        publisher=model_id.split("/")[0] if "/" in model_id else "",
-    )
+    return stand_in_card(model_id, status.total_bytes)
 
 
 def model_card(state: State, model_id: str) -> ModelCard:
@@ -110,18 +98,9 @@ def model_card(state: State, model_id: str) -> ModelCard:
     return card
 
 
-def is_mlx_community(card: ModelCard) -> bool:
-    return card.publisher == MLX_COMMUNITY or card.model_id.startswith(MLX_COMMUNITY + "/")
-
-
-def is_mlx_quantized(card: ModelCard) -> bool:
-    quantization = card.quantization.lower()
-    return quantization.startswith("mlx-") or (is_mlx_community(card) and quantization not in _UNQUANTIZED)
-
-
-def _engines(card: ModelCard, caps: Mapping[str, EngineCaps], engine: str = "") -> list[str]:
+def _engines(card: ModelCard, caps: Mapping[str, EngineFacts], engine: str = "") -> list[str]:
     known = [e for e in card.supported_engines if e in caps]
-    if engine == ECHO_ENGINE and engine in caps:
+    if engine in caps and not caps[engine].loads_weights:  # it runs any model: asked for by name
         return [engine]
     if engine and engine not in known:
         supported = ", ".join(card.supported_engines) or "none"
@@ -138,39 +117,47 @@ def has_engine(node: NodeInfo, engine: str) -> bool:
     return any(e.name == engine for e in node.engines)
 
 
-def engine_refusal(card: ModelCard, engine: str) -> str:
-    # Only MLX reads MLX's quantized format: vLLM never loads mlx-community 4/8-bit weights.
-    if is_mlx_quantized(card) and engine != "mlx":
-        return f"{engine} cannot load MLX-quantized weights ({card.quantization or MLX_COMMUNITY})"
+def _quantized(card: ModelCard) -> str:
+    """How the refusals name the card's packed quantized format ("MLX")."""
+    return card.quantization_format.upper()
+
+
+def engine_refusal(card: ModelCard, engine: str, facts: EngineFacts) -> str:
+    # Only engines that read a packed format load it: vLLM never loads mlx-community 4/8-bit weights.
+    if card.quantization_format and card.quantization_format not in facts.quantizations:
+        return f"{engine} cannot load {_quantized(card)}-quantized weights ({card.quantization})"
     return ""
 
 
-def node_refusal(card: ModelCard, engine: str, node: NodeInfo, pipeline: bool = False) -> str:
+def node_refusal(
+    card: ModelCard, engine: str, node: NodeInfo, facts: EngineFacts, pipeline: bool = False
+) -> str:
     """Why `node` cannot run (a shard of, when `pipeline`) `card` on `engine`; "" when it can."""
     if not has_engine(node, engine):
         return f"no {engine} engine"
-    # MLX has no quantized matmul on CUDA.
-    if is_mlx_quantized(card) and node.kind == NodeKind.CUDA:
-        return "MLX-quantized weights do not run on CUDA nodes"
+    if node.kind not in facts.devices:
+        return f"{engine} does not run on {node.kind.upper()} nodes"
+    if card.quantization_format and node.kind not in facts.quantized_devices:  # MLX: not on CUDA
+        return f"{_quantized(card)}-quantized weights do not run on {node.kind.upper()} nodes"
     if pipeline and node.ring_port_base <= 0:
         return NO_RINGS
     return ""
 
 
 def kind_rank(card: ModelCard, node: NodeInfo) -> int:
-    """mlx-community models run best on Apple silicon, then on CPUs; other models have no preference."""
-    if not is_mlx_community(card):
-        return 0
-    return {NodeKind.APPLE: 2, NodeKind.CPU: 1}.get(node.kind, 0)
+    """How well `node`'s kind suits `card` (higher is better): its card's preferred kinds, best
+    first (mlx-community's: Apple silicon, then CPUs); 0 for other kinds and models without one."""
+    kinds = card.preferred_node_kinds
+    return len(kinds) - kinds.index(node.kind) if node.kind in kinds else 0
 
 
-def node_engines(card: ModelCard, node: NodeInfo, caps: Mapping[str, EngineCaps]) -> list[str]:
-    """The engines of `node` that can run `card` and compete on speed (echo never does)."""
-    return [e for e in card.supported_engines if e in caps and e != ECHO_ENGINE and has_engine(node, e)]
+def node_engines(card: ModelCard, node: NodeInfo, caps: Mapping[str, EngineFacts]) -> list[str]:
+    """The engines of `node` that can run `card` and compete on speed (those that load its weights)."""
+    return [e for e in card.supported_engines if e in caps and caps[e].loads_weights and has_engine(node, e)]
 
 
 def speed_rank(
-    card: ModelCard, node: NodeInfo, engine: str, caps: Mapping[str, EngineCaps]
+    card: ModelCard, node: NodeInfo, engine: str, caps: Mapping[str, EngineFacts]
 ) -> tuple[int, str]:
     """How `engine` ranks for `card` among the node's engines (higher is faster, 0 when it is not one
     of them), and the reason part that says why."""
@@ -191,7 +178,7 @@ def memory_needed(card: ModelCard, shards: Sequence[Shard], headroom: float) -> 
     return need
 
 
-def free_bytes(state: State, caps: Mapping[str, EngineCaps] = ENGINE_CAPS) -> dict[str, int]:
+def free_bytes(state: State, caps: Mapping[str, EngineFacts] = ENGINE_FACTS) -> dict[str, int]:
     """Each node's available memory (as it joined) less what its live instances take."""
     promised: dict[str, int] = {}
     for instance in state.instances.values():
@@ -199,7 +186,7 @@ def free_bytes(state: State, caps: Mapping[str, EngineCaps] = ENGINE_CAPS) -> di
         if instance.status not in _PROMISING or card is None:
             continue
         whole = (Shard(node_id=instance.node_id, start_layer=0, end_layer=card.num_layers),)
-        headroom = caps.get(instance.engine, EngineCaps(pipeline=False)).memory_headroom
+        headroom = engine_facts(instance.engine, caps).memory_headroom
         for node_id, n in memory_needed(card, instance.shards or whole, headroom).items():
             promised[node_id] = promised.get(node_id, 0) + n
     return {
@@ -226,14 +213,14 @@ def _evaluate(
     engine: str,
     shards: tuple[Shard, ...],
     free: Mapping[str, int],
-    caps: EngineCaps,
+    facts: EngineFacts,
     speed: tuple[int, str] = (0, ""),
 ) -> PlacementOption:
     """One placement's feasibility and score; `speed`: the engine's rank on the node and why."""
-    need = memory_needed(card, shards, caps.memory_headroom)
+    need = memory_needed(card, shards, facts.memory_headroom)
     after = {node_id: free[node_id] - n for node_id, n in need.items()}
     nodes = [state.nodes[node_id] for node_id in need]
-    problems = [(n.node_id, node_refusal(card, engine, n, len(nodes) > 1)) for n in nodes]
+    problems = [(n.node_id, node_refusal(card, engine, n, facts, len(nodes) > 1)) for n in nodes]
     problems += [(i, f"needs {gib(need[i])}, {gib(free[i])} free") for i in need if after[i] < 0]
     problems = [(i, p) for i, p in problems if p]
     uncached = sum(card.model_id not in n.cached_models for n in nodes)
@@ -243,7 +230,7 @@ def _evaluate(
     else:
         reason = f"fits with {gib(min(after.values()))} left"
         reason += "; files cached" if uncached == 0 else ""
-        reason += f"; {nodes[0].kind} preferred for {MLX_COMMUNITY}" if kind and len(nodes) == 1 else ""
+        reason += f"; {nodes[0].kind} preferred for {card.publisher}" if kind and len(nodes) == 1 else ""
         reason += f"; {speed[1]}" if speed[1] else ""
     return PlacementOption(
         engine=engine,
@@ -257,10 +244,12 @@ def _evaluate(
 
 
 def _pipeline_layouts(
-    card: ModelCard, engine: str, nodes: list[NodeInfo], free: Mapping[str, int]
+    card: ModelCard, engine: str, facts: EngineFacts, nodes: list[NodeInfo], free: Mapping[str, int]
 ) -> Iterator[tuple[Shard, ...]]:
     """For each k >= 2, the k roomiest usable nodes (no other k nodes have more memory), by node_id."""
-    usable = [n for n in nodes if not node_refusal(card, engine, n, pipeline=True) and free[n.node_id] > 0]
+    usable = [
+        n for n in nodes if not node_refusal(card, engine, n, facts, pipeline=True) and free[n.node_id] > 0
+    ]
     roomiest = sorted(usable, key=lambda n: (-free[n.node_id], n.node_id))
     for k in range(2, min(len(roomiest), card.num_layers) + 1):
         chosen = sorted(roomiest[:k], key=lambda n: n.node_id)
@@ -278,7 +267,7 @@ def _rank(options: list[PlacementOption]) -> list[PlacementOption]:
 
 
 def placement_options(
-    state: State, model_id: str, caps: Mapping[str, EngineCaps] = ENGINE_CAPS, asked_engine: str = ""
+    state: State, model_id: str, caps: Mapping[str, EngineFacts] = ENGINE_FACTS, asked_engine: str = ""
 ) -> list[PlacementOption]:
     """Every way to run model_id on the cluster (on asked_engine when given), feasible first, best first."""
     card = model_card(state, model_id)
@@ -286,7 +275,7 @@ def placement_options(
     nodes = sorted(state.nodes.values(), key=lambda n: n.node_id)
     options: list[PlacementOption] = []
     for engine in _engines(card, caps, asked_engine):
-        if refusal := engine_refusal(card, engine):
+        if refusal := engine_refusal(card, engine, caps[engine]):
             options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=refusal))
             continue
         singles = [
@@ -303,7 +292,7 @@ def placement_options(
         ]
         options += singles
         if caps[engine].pipeline:
-            layouts = _pipeline_layouts(card, engine, nodes, free)
+            layouts = _pipeline_layouts(card, engine, caps[engine], nodes, free)
             options += [_evaluate(state, card, engine, shards, free, caps[engine]) for shards in layouts]
             # say which nodes the layouts left out, when a pipeline is what the model needs
             outside = [n.node_id for n in nodes if has_engine(n, engine) and n.ring_port_base <= 0]
@@ -320,7 +309,7 @@ def placement_options(
 
 
 def layout_problem(
-    state: State, card: ModelCard, engine: str, shards: Sequence[Shard], caps: Mapping[str, EngineCaps]
+    state: State, card: ModelCard, engine: str, shards: Sequence[Shard], caps: Mapping[str, EngineFacts]
 ) -> str:
     """Why an explicit placement is malformed ("" when it is well formed)."""
     if not shards:
@@ -344,9 +333,11 @@ def layout_problem(
     return ""
 
 
-def _shard_node_refusal(state: State, card: ModelCard, engine: str, shards: Sequence[Shard]) -> str:
+def _shard_node_refusal(
+    state: State, card: ModelCard, engine: str, facts: EngineFacts, shards: Sequence[Shard]
+) -> str:
     for shard in shards:
-        if reason := node_refusal(card, engine, state.nodes[shard.node_id], len(shards) > 1):
+        if reason := node_refusal(card, engine, state.nodes[shard.node_id], facts, len(shards) > 1):
             return f"{shard.node_id}: {reason}"
     return ""
 
@@ -356,15 +347,15 @@ def _explicit_options(
     card: ModelCard,
     engines: list[str],
     shards: tuple[Shard, ...],
-    caps: Mapping[str, EngineCaps],
+    caps: Mapping[str, EngineFacts],
 ) -> list[PlacementOption]:
     free = free_bytes(state, caps)
     options = []
     for engine in engines:
         problem = (
-            engine_refusal(card, engine)
+            engine_refusal(card, engine, caps[engine])
             or layout_problem(state, card, engine, shards, caps)
-            or _shard_node_refusal(state, card, engine, shards)
+            or _shard_node_refusal(state, card, engine, caps[engine], shards)
         )
         if problem:
             options.append(PlacementOption(engine=engine, shards=shards, feasible=False, reason=problem))
@@ -377,7 +368,7 @@ def _refusal(
     card: ModelCard,
     options: list[PlacementOption],
     engines: list[str],
-    caps: Mapping[str, EngineCaps],
+    caps: Mapping[str, EngineFacts],
     explicit: bool,
 ) -> str:
     """One line for the user: why each engine and node was refused, nodes refused alike grouped."""
@@ -441,7 +432,7 @@ def place(
     model_id: str,
     instance_id: str,
     engine: str = "",
-    caps: Mapping[str, EngineCaps] = ENGINE_CAPS,
+    caps: Mapping[str, EngineFacts] = ENGINE_FACTS,
     shards: Sequence[Shard] | None = None,
     avoid_ring: Collection[str] = (),
 ) -> Instance:
@@ -471,7 +462,9 @@ def place(
     )
 
 
-def placed_again(state: State, instance: Instance, caps: Mapping[str, EngineCaps] = ENGINE_CAPS) -> Instance:
+def placed_again(
+    state: State, instance: Instance, caps: Mapping[str, EngineFacts] = ENGINE_FACTS
+) -> Instance:
     """`instance` placed anew as its next generation (same id, model, engine and role) wherever it fits
     now, its own memory no longer counted; its ranks get other ring ports than the old generation's,
     whose processes may still be closing."""

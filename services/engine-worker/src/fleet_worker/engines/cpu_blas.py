@@ -4,7 +4,7 @@ MLX's Linux CPU wheel (mlx-cpu) multiplies matrices through the reference BLAS i
 3 GFLOP/s on this project's 2-core AVX2 machine, where OpenBLAS does 50. libmlx leaves its cblas_*
 symbols to the dynamic linker, which looks in the global scope first, so loading the system's
 OpenBLAS with RTLD_GLOBAL before mlx is imported makes every MLX matmul an OpenBLAS one. OpenBLAS has
-no bf16 GEMM on AVX2, so MLX needs float32 weights for the gain (mlx_engine's compute_dtype "auto", opt-in).
+no bf16 GEMM on AVX2, so MLX needs float32 weights for the gain (mlx/engine.py compute_dtype "auto", opt-in).
 Measured on SmolLM2-135M (128-token prompt): prefill 17 -> 260 tokens/s, decode 6 -> 15 tokens/s.
 """
 

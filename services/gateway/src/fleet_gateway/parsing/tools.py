@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Protocol
 
 from fleet_gateway.parsing.harmony import HARMONY, HarmonyParser
@@ -54,7 +55,7 @@ def _json_call(obj: object) -> ToolCall | None:
 class TaggedCalls:
     """Calls between an open and a close tag; `parse(inner)` turns one block into calls."""
 
-    def __init__(self, open_tag: str, close_tag: str, parse) -> None:
+    def __init__(self, open_tag: str, close_tag: str, parse: Callable[[str], list[ToolCall]]) -> None:
         self._open, self._close = open_tag, close_tag
         self._tags = TagSplitter(open_tag, close_tag)
         self._parse = parse
@@ -133,7 +134,8 @@ PYTHON_TAG = "<|python_tag|>"
 def json_values(text: str) -> list[object]:
     """The JSON values of `text`, one after another, ";"-separated or not (a ";" inside a string
     is part of it, which splitting on ";" would break). ValueError when one is not JSON."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+    decoder, at = json.JSONDecoder(), 0
+    values: list[object] = []
     while True:
         while at < len(text) and (text[at].isspace() or text[at] == ";"):
             at += 1
@@ -184,7 +186,12 @@ class JsonCalls:
         return Delta(tool_calls=calls) if calls else Delta(content=held)
 
 
-PARSERS = {"hermes": hermes_parser, "json": JsonCalls, "dsml": dsml_parser, HARMONY: HarmonyParser}
+PARSERS: dict[str, Callable[[], ToolParser]] = {
+    "hermes": hermes_parser,
+    "json": JsonCalls,
+    "dsml": dsml_parser,
+    HARMONY: HarmonyParser,
+}
 
 
 def infer_tool_parser(chat_template: str) -> str:

@@ -9,7 +9,7 @@ vLLM never sees text: its tokenizer is loaded only for structured outputs (vLLM'
 needs its vocabulary), outputs come as deltas of token ids with detokenize off, and the stop token
 that vLLM keeps in its output is dropped here (counted in completion_tokens) like the MLX engine
 does. Prompt KV goes through Fleet's KV connector
-(vllm_connector.py) when the engine is given a `kv_dir`: it saves each finished prompt block in the
+(connector.py) when the engine is given a `kv_dir`: it saves each finished prompt block in the
 Fleet wire format and loads matching prefix blocks so vLLM skips recomputing them. Disaggregation
 uses the same connector: a prefill-only request's KV leaves layer by layer as handoff chunks, and a
 received handoff becomes the prompt's full Fleet blocks in the KV folder, which the connector loads
@@ -31,13 +31,13 @@ from typing import Any
 
 import msgspec
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from fleet_proto import HandoffStats
+from fleet_runtime.logs import describe_error
 from fleet_store.handoff import HandoffError, assemble, handoff_blocks, read_folder
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder, folder_fingerprint
 from fleet_worker.engines.base import (
@@ -50,22 +50,19 @@ from fleet_worker.engines.base import (
     error_output,
     request_problem,
 )
-from fleet_worker.engines.vllm_loader import register_progress_loader
-from fleet_worker.engines.vllm_sampling import (
+from fleet_worker.engines.vllm.connector_link import ConnectorLink
+from fleet_worker.engines.vllm.loader import register_progress_loader
+from fleet_worker.engines.vllm.sampling import (
     emitted_tokens,
     structured_outputs_fields,
     token_logprobs,
     vllm_sampling_kwargs,
 )
 
-CONNECTOR_MODULE = "fleet_worker.engines.vllm_connector"
+CONNECTOR_MODULE = "fleet_worker.engines.vllm.connector"
 CONNECTOR_CLASS = "FleetKVConnector"
 CPU_KV_CACHE_BYTES = 512 << 20
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 def text_config(model_dir: Path) -> dict[str, Any]:
@@ -164,6 +161,8 @@ class VllmEngine:
         self._engine = LLMEngine.from_engine_args(
             EngineArgs(**{k: v for k, v in args.items() if v is not None})
         )
+        # the worker-side connector: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        self._connector = ConnectorLink.find()
         model_config = self._engine.model_config
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.get_vocab_size()
@@ -218,7 +217,7 @@ class VllmEngine:
             self._imported.pop(request.request_id, None)
             # a ValueError is vLLM refusing the request itself (a grammar that does not compile...)
             kind = INVALID_REQUEST if isinstance(error, ValueError) else ""
-            self._pending.append(error_output(request, _describe(error), kind))
+            self._pending.append(error_output(request, describe_error(error), kind))
             return
         stop_ids = frozenset(kwargs["stop_token_ids"])
         self._live[request.request_id] = _Sequence(request, stop_ids, time.perf_counter(), fallback=fallback)
@@ -250,8 +249,8 @@ class VllmEngine:
             return  # already finished, or never known
         self._engine.abort_request([request_id])
         self._imported.pop(request_id, None)
-        if sequence.request.export is not None and has_kv_transfer_group():
-            get_kv_transfer_group().drop_export(sequence.request.export.handoff_id)
+        if sequence.request.export is not None and self._connector is not None:
+            self._connector.drop_export(sequence.request.export.handoff_id)
         self._pending.append(sequence.output([], "cancelled"))
 
     def has_work(self) -> bool:
@@ -267,7 +266,7 @@ class VllmEngine:
             # One forward pass serves every running request: no telling which one broke it.
             failed, self._live, self._imported = list(self._live.values()), {}, {}
             self._engine.abort_request([s.request.request_id for s in failed])
-            return outputs + [error_output(s.request, _describe(error)) for s in failed]
+            return outputs + [error_output(s.request, describe_error(error)) for s in failed]
         for result in results:
             sequence = self._live.get(result.request_id)
             if sequence is None:
@@ -293,9 +292,8 @@ class VllmEngine:
             if export.sample_first and finish_reason:  # the connector left the handoff's end to us
                 first = tokens[0] if tokens else -1  # a stop token: the decoder samples again
                 end = len(sequence.request.prompt_token_ids) - 1
-                get_kv_transfer_group().finish_export(
-                    export.folder, export.handoff_id, export.start_pos, end, first
-                )
+                assert self._connector is not None  # an export needs the connector (add checks it)
+                self._connector.finish_export(export.folder, export.handoff_id, export.start_pos, end, first)
             tokens, finish_reason = [], "length" if finish_reason else ""  # its product is the KV
         cached = (result.num_cached_tokens or 0) if finish_reason else 0
         top = sequence.request.sampling.logprobs
@@ -308,8 +306,8 @@ class VllmEngine:
         after a step's outputs are sent, so the writes never hold a token back."""
         if self._kv_blocks is None:
             return KVChanges()
-        if has_kv_transfer_group():  # the worker-side connector: the engine core runs in this process
-            get_kv_transfer_group().write_saved_blocks()
+        if self._connector is not None:
+            self._connector.write_saved_blocks()
         if not self._kv_blocks.is_dir():
             return KVChanges()
         in_use = set().union(*self._imported.values())  # a handoff's, until its request is done

@@ -12,16 +12,16 @@ attention layers' arrays (ArraysCache: conv and recurrent state).
 Import: the rows are appended to the decoder's own cache (which already holds the first
 start_pos tokens when it asked for a suffix only), the states are set as they came.
 
-In a pipeline (mlx_pipeline) each rank computes only its layers' KV: an export's rows go through a
+In a pipeline (pipeline.py) each rank computes only its layers' KV: an export's rows go through a
 RankWriter, which gathers every rank's part to rank 0 to be written as one chunk, and an import is
 shared by rank 0 with the others, each taking its layers' part (`layer_range`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
@@ -35,9 +35,12 @@ from fleet_store.handoff import (
     decode_chunk,
 )
 from fleet_store.kv import KVBlobError, WireTensor
-from fleet_worker.engines.mlx_kv import WIRE_TO_MLX, from_wire, to_wire
+from fleet_worker.engines.mlx.kv import WIRE_TO_MLX, from_wire, to_wire
 
 MOVABLE_STATES = (RotatingKVCache, ArraysCache)
+# An mlx_lm cache layer (KVCache, RotatingKVCache, ArraysCache ...), used by its attributes: mypy does
+# not read mlx_lm (pyproject's [tool.mypy]), so it cannot tell the kinds apart.
+CacheLayer = Any
 
 
 def movable_problem(cache: Sequence[object]) -> str:
@@ -65,9 +68,10 @@ def layer_rows(layer: KVCache, start: int, end: int, wire_dtype: str = "") -> tu
 
 def layer_state(layer: object, wire_dtype: str = "") -> LayerState:
     if isinstance(layer, RotatingKVCache):
-        meta = tuple(str(v) for v in (layer.offset, layer.keep, layer.max_size, layer._idx))
-        arrays = (_wire(layer.keys, wire_dtype), _wire(layer.values, wire_dtype))
-        return LayerState("RotatingKVCache", arrays, meta)
+        # its public state: the ring buffer and where in it the window writes next
+        keys, values, offset, keep, max_size, index = layer.state
+        meta = tuple(str(v) for v in (offset, keep, max_size, index))
+        return LayerState("RotatingKVCache", (_wire(keys, wire_dtype), _wire(values, wire_dtype)), meta)
     if isinstance(layer, ArraysCache):
         if layer.left_padding is not None or layer.lengths is not None:
             raise HandoffError("a batched ArraysCache cannot be handed over")
@@ -75,7 +79,7 @@ def layer_state(layer: object, wire_dtype: str = "") -> LayerState:
     raise HandoffError(f"a {type(layer).__name__} layer has no movable state")
 
 
-def _set_state(layer: object, state: LayerState, dtype: mx.Dtype) -> None:
+def _set_state(layer: CacheLayer, state: LayerState, dtype: mx.Dtype) -> None:
     if type(layer).__name__ != state.cache_class:
         raise HandoffError(f"a {state.cache_class} state cannot go into a {type(layer).__name__} layer")
     if isinstance(layer, RotatingKVCache):
@@ -86,12 +90,12 @@ def _set_state(layer: object, state: LayerState, dtype: mx.Dtype) -> None:
         layer.state = (keys, values, offset, keep, max_size, index)
     else:
         arrays = [None if a is None else from_wire(a) for a in state.arrays]
-        if len(arrays) != len(layer.cache):  # type: ignore[attr-defined]
-            raise HandoffError(f"{len(arrays)} state arrays for a cache of {len(layer.cache)}")  # type: ignore[attr-defined]
+        if len(arrays) != len(layer.cache):
+            raise HandoffError(f"{len(arrays)} state arrays for a cache of {len(layer.cache)}")
         layer.state = (arrays, None, None)
 
 
-def apply_handoff(cache: list[object], kv: AssembledKV, dtype: mx.Dtype) -> list[object]:
+def apply_handoff(cache: list[CacheLayer], kv: AssembledKV, dtype: mx.Dtype) -> list[CacheLayer]:
     """`cache` (holding tokens [0, kv.start_pos) of its plain layers) extended by the handoff."""
     expected_states = {i for i, layer in enumerate(cache) if type(layer) is not KVCache}
     if set(kv.states) != expected_states or any(i in kv.states for i in kv.rows):
@@ -183,7 +187,7 @@ class Export:
     end: int  # rows up to here (the prompt but its last token)
     writer: HandoffWriter | RankWriter
     wire_dtype: str
-    cache: list[object]
+    cache: list[CacheLayer]
     position: int  # tokens already in the cache
     cached_tokens: int = 0
     started_at: float = 0.0
@@ -196,7 +200,7 @@ class Export:
     def done(self) -> bool:
         return self.position >= self.end
 
-    def advance(self, model: object, step_size: int) -> None:
+    def advance(self, model: Callable[..., object], step_size: int) -> None:
         """Compute the next chunk of the prompt and write the rows it made (and any older ones owed)."""
         if self.position < self.end:
             stop = min(self.position + step_size, self.end)

@@ -19,15 +19,15 @@ draw takes a key from the request's own random.Random(seed). So a seeded request
 same tokens on every run. Inside a batch it draws the same keys, but its logits come from a batched,
 padded forward pass that can differ from a single-stream one in the last bits: a token whose top
 candidates sit within float rounding of each other may then differ. Greedy requests share one
-batched argmax. The logit rules (grammar, min_tokens, logit_bias, penalties: mlx_sampling) are a
+batched argmax. The logit rules (grammar, min_tokens, logit_bias, penalties: sampling.py) are a
 logits processor of each request that asks for any.
 
 Stop: a request stops at one of its stop_token_ids or one of the model's EOS ids (config.json,
 generation_config.json, tokenizer). Like vLLM's text, token_ids never contain that stop token; like
 vLLM's usage, completion_tokens counts it (it was generated). Output timings are cumulative.
 
-Past ~450 lines until issue 40 splits the engine-worker: scheduling, handoff export/import and the
-pipeline's lockstep branches share this class's state.
+This module schedules; sampling.py makes each request's sampler, disagg.py runs handoffs, and the
+engine's Stepping (stepping.py) is what differs when it is one rank of a pipeline (pipeline.py).
 """
 
 from __future__ import annotations
@@ -35,38 +35,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm
 import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler
 
-from fleet_store.handoff import (
-    AssembledKV,
-    HandoffError,
-    HandoffWriter,
-    assemble,
-    frame,
-    layer_range,
-    read_folder,
-    split_frames,
-)
+from fleet_runtime.logs import describe_error
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, KVFolder
 from fleet_worker.engines.base import (
     INVALID_REQUEST,
     EngineOutput,
     EngineRequest,
     KVChanges,
-    KVExport,
-    KVImport,
     LoadProgress,
+    Lockstep,
     PrefillProgress,
     RequestProgress,
     eos_token_ids,
@@ -75,16 +62,10 @@ from fleet_worker.engines.base import (
 )
 from fleet_worker.engines.cpu_blas import optimised_blas_loaded
 from fleet_worker.engines.grammar import GRAMMAR_WAIT_S, GrammarError, Grammars
-from fleet_worker.engines.mlx_handoff import Export, RankWriter, apply_handoff, movable_problem
-from fleet_worker.engines.mlx_kv import MlxPrefixStore
-from fleet_worker.engines.mlx_pipeline import PipelineSpec, Ring, connect_layers, join_ring, load_shard
-from fleet_worker.engines.mlx_sampling import (
-    LogitRules,
-    Sampler,
-    make_seeded_sampler,
-    needs_rules,
-    token_logprob,
-)
+from fleet_worker.engines.mlx.disagg import Disaggregation
+from fleet_worker.engines.mlx.kv import MlxPrefixStore
+from fleet_worker.engines.mlx.sampling import RequestSampling, Sampler, token_logprob
+from fleet_worker.engines.mlx.stepping import load_stepping
 
 log = logging.getLogger("fleet_worker.mlx")
 
@@ -125,10 +106,6 @@ def chosen_compute_dtype(asked: str, config: dict[str, Any], pipeline: bool) -> 
     return mx.float32 if on_cpu and optimised_blas_loaded() and not quantized and not pipeline else None
 
 
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
 class MlxEngine:
     """Driven by one thread only: MLX arrays and streams belong to the thread that made them."""
 
@@ -159,16 +136,9 @@ class MlxEngine:
             # mlx_lm.load would take a missing folder for a Hugging Face repo id and go online.
             raise FileNotFoundError(f"no model folder with a config.json at {model_dir}")
         self._stream = mx.new_thread_local_stream(mx.default_device())
-        # One rank of a pipeline: the other ranks run this same engine in lock-step (mlx_pipeline).
-        self.lockstep: Ring | None = None
-        self._shard: PipelineSpec | None = None
-        if pipeline is None:
-            self.model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
-        else:
-            spec = self._shard = msgspec.convert(pipeline, PipelineSpec)
-            self.model, tokenizer, config = load_shard(model_dir, spec)
-            self.lockstep = join_ring(spec, self._stream, ring_timeout_s)
-            connect_layers(self.model, spec, self.lockstep)
+        self._stepping, self.model, tokenizer, config = load_stepping(
+            model_dir, pipeline, self._stream, ring_timeout_s
+        )
         dtype = chosen_compute_dtype(compute_dtype, config, pipeline is not None)
         if dtype is not None:
             self.model.set_dtype(dtype)
@@ -179,22 +149,15 @@ class MlxEngine:
         self.eos_token_ids = frozenset(set(tokenizer.eos_token_ids) | eos_token_ids(model_dir))
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
-        if self.lockstep is not None and self.lockstep.rank > 0:
-            on_prefill_progress = None  # rank 0 reports for the whole pipeline
-        self._on_prefill_progress = on_prefill_progress
+        self._on_prefill_progress = on_prefill_progress if self._stepping.reports_progress else None
         self._dtype = activation_dtype(self.model)
         self._prefixes: MlxPrefixStore | None = None
-        if self.lockstep is not None:
-            # A rank's blocks hold only its layers: they stay in its memory, named apart from the
-            # whole model's, and never go to a KV folder (the shared tier).
-            kv_dir = ""
-            kv_fingerprint = kv_fingerprint and f"{kv_fingerprint}/layers-{spec.start_layer}-{spec.end_layer}"
+        kv_fingerprint, kv_dir = self._stepping.kv_tier(kv_fingerprint, kv_dir)
         if kv_fingerprint and (kv_memory_bytes or kv_dir):
             folder = KVFolder(kv_dir) if kv_dir else None
             self._prefixes = MlxPrefixStore(
                 self.model, kv_fingerprint, kv_block_size, kv_memory_bytes, folder
             )
-        self._eos_stop = StopSequences([[t] for t in sorted(self.eos_token_ids)])
         self._next_uid = 0
         self._steps = 0
         self._live: dict[str, _Sequence] = {}  # waiting and running, by request id
@@ -203,15 +166,16 @@ class MlxEngine:
         self._batch: GenerationBatch | None = None
         self._to_cancel: set[int] = set()
         self._pending: list[EngineOutput] = []  # outputs decided outside step()
-        # Prefill-only requests (disaggregation): one chunk of the head one per step.
-        self._export_queue: deque[EngineRequest] = deque()
-        self._export: Export | None = None
-        self._handoff_problem = movable_problem(make_prompt_cache(self.model))
-        if self.lockstep is not None and self.lockstep.fewest([0 if self._handoff_problem else 1]) == [0]:
-            # every rank must take the same requests the same way: one rank's problem is the pipeline's
-            self._handoff_problem = self._handoff_problem or "another rank's cache cannot be handed over"
-        self._greedy = self._shared(greedy_sampler)  # one object: greedy rows share one batched call
+        self._disagg = Disaggregation(
+            self.model, self._dtype, prefill_step_size, self._prefixes, self._stepping
+        )
+        self._sampling = RequestSampling(self.vocab_size, self.eos_token_ids, self._stepping.shared_sampler)
         self._grammars = Grammars(model_dir, self.vocab_size, self.eos_token_ids)
+
+    @property
+    def lockstep(self) -> Lockstep | None:
+        """This engine's ring when it is one rank of a pipeline (the engine child serves it in step)."""
+        return self._stepping.lockstep
 
     def add(self, request: EngineRequest) -> None:
         problem = request_problem(request, self.vocab_size)
@@ -219,9 +183,9 @@ class MlxEngine:
             problem = f"request id {request.request_id!r} is already running"
         fallback = ""
         if not problem and request.export is not None:
-            problem = self._handoff_request_problem(request)
+            problem = self._disagg.request_problem(request)
         if not problem and request.kv_import is not None:
-            fallback = self._handoff_request_problem(request)  # then prefilled here, never refused
+            fallback = self._disagg.request_problem(request)  # then prefilled here, never refused
             if fallback:
                 log.warning("request %s: handoff not used, prefilling here: %s", request.request_id, fallback)
                 request = msgspec.structs.replace(request, kv_import=None)
@@ -229,18 +193,10 @@ class MlxEngine:
             self._pending.append(error_output(request, problem))
             return
         if request.export is not None:
-            self._export_queue.append(request)
+            self._disagg.queue(request)
             return
         params = request.sampling
-        stop = self._eos_stop
-        if params.stop_token_ids or params.ignore_eos:
-            eos = frozenset() if params.ignore_eos else self.eos_token_ids
-            stop = StopSequences([[t] for t in sorted(eos | set(params.stop_token_ids))])
-        sampler = (
-            self._greedy
-            if params.temperature == 0
-            else self._shared(make_seeded_sampler(params, self.vocab_size))
-        )
+        stop, sampler = self._sampling.stop(params), self._sampling.sampler(params)
         if params.structured is not None:
             self._grammars.start(params.structured)
         sequence = _Sequence(self._next_uid, sampler, stop, request=request, fallback=fallback)
@@ -248,32 +204,9 @@ class MlxEngine:
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
 
-    def _shared(self, sampler: Sampler) -> Sampler:
-        """In a pipeline every rank samples, and all take rank 0's tokens."""
-        ring = self.lockstep
-        if ring is None:
-            return sampler
-        return lambda logprobs: ring.share_tokens(sampler(logprobs))
-
-    def _handoff_request_problem(self, request: EngineRequest) -> str:
-        spec = request.export or request.kv_import
-        if spec is None:
-            return ""
-        if self._handoff_problem:
-            return self._handoff_problem
-        if request.kv_import is not None and spec.start_pos:
-            if self.lockstep is not None:  # the ranks' prefixes are in no index a decoder could ask
-                return "a pipeline takes whole-prompt handoffs only"
-            if self._prefixes is None or not self._prefixes.supported:
-                return "this engine keeps no prefix cache to continue a handoff from"
-        if not 0 <= spec.start_pos <= len(request.prompt_token_ids) - 1:
-            return f"handoff start {spec.start_pos} is outside the prompt"
-        return ""
-
     def cancel(self, request_id: str) -> None:
-        export = next((r for r in self._export_queue if r.request_id == request_id), None)
-        if export is not None or (self._export is not None and self._export.request_id == request_id):
-            self._end_export(request_id, "cancelled")
+        if self._disagg.holds(request_id):
+            self._pending.append(self._disagg.cancel(request_id))
             return
         sequence = self._live.get(request_id)
         if sequence is None:
@@ -287,7 +220,7 @@ class MlxEngine:
 
     def has_work(self) -> bool:
         busy = self._pending or self._waiting or self._running
-        return bool(busy or self._export_queue or self._export)
+        return bool(busy or self._disagg.has_work())
 
     def step(self) -> list[EngineOutput]:
         outputs, self._pending = self._pending, []
@@ -303,31 +236,25 @@ class MlxEngine:
                 spec = self._waiting[0].request.sampling.structured
                 if spec is not None:
                     self._grammars.wait(spec, GRAMMAR_WAIT_S)
-            if self._export is not None or self._export_queue:
-                outputs += self._export_step()
+            if self._disagg.has_work():
+                outputs += self._disagg.step()
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY_STEPS == 0:
             mx.clear_cache()
         return outputs
 
     def _ready(self, sequence: _Sequence) -> bool:
-        """Give the sequence its logit rules once its grammar is compiled (False while it compiles).
-        Pipeline ranks wait for it: every rank must admit the same requests in the same step."""
+        """Give the sequence its logit rules once its grammar is compiled (False while it compiles)."""
         if sequence.processors is not None:
             return True
         request = sequence.request
         params, constraint = request.sampling, None
         if params.structured is not None:
-            if self.lockstep is not None:
-                self._grammars.wait(params.structured, timeout_s=None)
+            self._stepping.wait_for_grammar(self._grammars, params.structured)
             constraint = self._grammars.constraint(params.structured)
             if constraint is None:
                 return False
-        sequence.processors = []
-        if needs_rules(params):
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            rules = LogitRules(params, self.vocab_size, request.prompt_token_ids, stops, constraint)
-            sequence.processors = [rules]
+        sequence.processors = self._sampling.processors(params, request.prompt_token_ids, constraint)
         return True
 
     def _take_ready(self, room: int, outputs: list[EngineOutput]) -> list[_Sequence]:
@@ -355,8 +282,7 @@ class MlxEngine:
         self._running.clear()
         self._waiting.clear()
         self._live.clear()
-        self._export_queue.clear()
-        self._export = None
+        self._disagg.close()
         mx.clear_cache()
 
     def _finish(self, sequence: _Sequence) -> None:
@@ -379,13 +305,14 @@ class MlxEngine:
         try:
             responses = self._batch.next()
         except Exception as error:
-            if self.lockstep is not None:  # the other ranks are inside the same step: all must stop
-                raise
+            self._stepping.on_step_error(error)
             # The batch's rows share one forward pass: no telling which request broke it.
             failed, self._batch = list(self._running.values()), None
             for sequence in failed:
                 self._finish(sequence)
-            return [sequence.output(finish_reason="error", error=_describe(error)) for sequence in failed]
+            return [
+                sequence.output(finish_reason="error", error=describe_error(error)) for sequence in failed
+            ]
         return [self._emit(self._running[r.uid], r) for r in responses]
 
     def _emit(self, sequence: _Sequence, response: Any) -> EngineOutput:
@@ -407,12 +334,11 @@ class MlxEngine:
             batch = self._prefill(group)
             responses = batch.next()  # evaluates the first tokens (and queues the second ones)
         except Exception as error:
-            if self.lockstep is not None:
-                raise
+            self._stepping.on_step_error(error)
             if len(group) > 1:  # run them one by one so only the request at fault fails
                 return [output for sequence in group for output in self._admit([sequence])]
             self._finish(group[0])
-            return [group[0].output(finish_reason="error", error=_describe(error))]
+            return [group[0].output(finish_reason="error", error=describe_error(error))]
         now = time.perf_counter()
         for sequence in group:
             sequence.prompt_time_s, sequence.first_token_at = now - start, now
@@ -425,154 +351,12 @@ class MlxEngine:
                 self._batch.extend(batch)
         return outputs
 
-    # -- disaggregation ----------------------------------------------------------------------------
-    def _start_export(self, request: EngineRequest) -> Export:
-        spec = request.export
-        assert spec is not None
-        prompt = list(request.prompt_token_ids)
-        cache, hit = make_prompt_cache(self.model), 0
-        limit = self._reusable_limits([prompt])[0]
-        if self._prefixes is not None:
-            cache, hit = self._prefixes.cache_for(prompt, self._dtype, limit)
-        return Export(
-            request.request_id,
-            prompt,
-            spec.start_pos,
-            len(prompt) - 1,
-            self._handoff_writer(spec),
-            spec.wire_dtype,
-            cache,
-            position=hit,
-            cached_tokens=hit,
-            started_at=time.perf_counter(),
-        )
-
-    def _export_step(self) -> list[EngineOutput]:
-        """One prompt chunk of the head prefill-only request; its output once it is complete."""
-        if self._export is None:
-            request = self._export_queue.popleft()
-            try:
-                self._export = self._start_export(request)
-            except Exception as error:
-                if self.lockstep is not None:  # the other ranks are inside the same step: all must stop
-                    raise
-                return [error_output(request, _describe(error))]
-        export = self._export
-        try:
-            export.advance(self.model, self.prefill_step_size)
-        except Exception as error:
-            if self.lockstep is not None:
-                raise
-            log.exception("prefill for handoff %s failed", export.writer.handoff_id)
-            return self._end_export(export.request_id, "error", _describe(error))
-        if not export.done:
-            return []
-        self._export = None
-        if self._prefixes is not None:
-            self._prefixes.store(export.cache, export.prompt)  # the next handoff of this prefix is cheaper
-        return [
-            EngineOutput(
-                request_id=export.request_id,
-                finish_reason="length",
-                prompt_tokens=len(export.prompt),
-                prompt_time_s=time.perf_counter() - export.started_at,
-                prefix_cached_tokens=export.cached_tokens,
-            )
-        ]
-
-    def _end_export(self, request_id: str, finish_reason: str, error: str = "") -> list[EngineOutput]:
-        """Stop a prefill-only request early: its handoff ends with an error chunk."""
-        if self._export is not None and self._export.request_id == request_id:
-            self._export.writer.error(error or finish_reason)
-            self._export = None
-        else:
-            request = next(r for r in self._export_queue if r.request_id == request_id)
-            self._export_queue.remove(request)
-            assert request.export is not None
-            self._handoff_writer(request.export).error(error or finish_reason)
-        output = EngineOutput(request_id=request_id, finish_reason=finish_reason, error=error)
-        if finish_reason == "cancelled":
-            self._pending.append(output)
-            return []
-        return [output]
-
-    def _handoff_writer(self, spec: KVExport) -> HandoffWriter | RankWriter:
-        """Where an export's chunks go: its folder, or in a pipeline rank 0's writer of that folder
-        (rank 0's worker asked for it; the folder is on rank 0's machine)."""
-        ring, shard = self.lockstep, self._shard
-        if ring is None or shard is None:
-            return HandoffWriter(spec.folder, spec.handoff_id)
-        writer = HandoffWriter(spec.folder, spec.handoff_id) if ring.rank == 0 else None
-        return RankWriter(ring, spec.handoff_id, shard.start_layer, writer)
-
-    def _handoff_kv(self, spec: KVImport) -> AssembledKV:
-        """The handoff's KV for this engine's layers. A pipeline's handoff arrived at rank 0's worker:
-        rank 0 shares its chunks over the ring and every rank takes its own layers' part."""
-        ring, shard = self.lockstep, self._shard
-        if ring is None or shard is None:
-            return assemble(read_folder(spec.folder), spec.handoff_id, spec.start_pos)
-        frames, problem = b"", "rank 0 could not read the handoff"
-        if ring.rank == 0:
-            try:
-                frames = b"".join(frame(blob) for blob in read_folder(spec.folder))
-            except (OSError, HandoffError) as error:
-                problem = f"{problem}: {error}"
-        shared = ring.share_bytes(frames)
-        if not shared:
-            raise HandoffError(problem)
-        kv = assemble(split_frames(shared), spec.handoff_id, spec.start_pos)
-        return layer_range(kv, shard.start_layer, shard.end_layer)
-
-    def _imported_cache(self, sequence: _Sequence) -> tuple[list[Any], int] | None:
-        """The cache a handoff filled (all prompt tokens but the last), or None (then says why)."""
-        imported = self._try_import(sequence)
-        if self.lockstep is not None and self.lockstep.fewest([int(imported is not None)]) == [0]:
-            if imported is not None:  # every rank uses the handoff, or none does
-                sequence.fallback = "another pipeline rank could not use the handoff"
-                log.warning("request %s: %s, prefilling here", sequence.request.request_id, sequence.fallback)
-            return None
-        return imported
-
-    def _try_import(self, sequence: _Sequence) -> tuple[list[Any], int] | None:
-        spec = sequence.request.kv_import
-        assert spec is not None
-        prompt = list(sequence.request.prompt_token_ids)
-        try:
-            kv = self._handoff_kv(spec)
-            if kv.end != len(prompt) - 1:
-                raise HandoffError(f"handoff ends at token {kv.end}, the prompt needs {len(prompt) - 1}")
-            cache, hit = make_prompt_cache(self.model), 0
-            if spec.start_pos:
-                assert self._prefixes is not None
-                cache, hit = self._prefixes.cache_for(prompt, self._dtype)
-                if hit < spec.start_pos:
-                    raise HandoffError(
-                        f"this engine holds {hit} prompt tokens, the handoff starts at {spec.start_pos}"
-                    )
-            sequence.cached_tokens = spec.start_pos
-            return apply_handoff(cache, kv, self._dtype), kv.end
-        except HandoffError as error:
-            sequence.fallback = str(error)
-            log.warning(
-                "request %s: handoff not used, prefilling here: %s", sequence.request.request_id, error
-            )
-            return None
-
-    def _reusable_limits(self, prompts: list[Sequence[int]]) -> list[int | None]:
-        """How much of each prompt's cached prefix to reuse: all of it alone; in a pipeline what every
-        rank holds (each rank's memory evicts by its own blocks' sizes), so all prefill alike."""
-        if self.lockstep is None:
-            return [None] * len(prompts)
-        store = self._prefixes
-        held = [store.reusable_tokens(prompt) if store else 0 for prompt in prompts]
-        return list(self.lockstep.fewest(held))
-
     def _prefill(self, group: list[_Sequence]) -> GenerationBatch:
         caches, history, rest = [], [], []
-        limits = self._reusable_limits([s.request.prompt_token_ids for s in group])
+        limits = self._stepping.reusable_limits([s.request.prompt_token_ids for s in group], self._prefixes)
         for sequence, limit in zip(group, limits, strict=True):
             prompt = list(sequence.request.prompt_token_ids)
-            imported = self._imported_cache(sequence) if sequence.request.kv_import else None
+            imported = self._disagg.imported_cache(sequence) if sequence.request.kv_import else None
             cache, hit = make_prompt_cache(self.model), 0
             if imported is not None:
                 cache, hit = imported
@@ -589,7 +373,7 @@ class MlxEngine:
             tokens=history,
             prefill_step_size=self.prefill_step_size,
             samplers=[s.sampler for s in group],
-            fallback_sampler=self._greedy,
+            fallback_sampler=self._sampling.greedy,
             logits_processors=[s.processors for s in group],
             stop_sequences=[s.stop for s in group],
             max_tokens=[s.request.sampling.max_tokens for s in group],
@@ -598,9 +382,9 @@ class MlxEngine:
         self._fill(prompts, group, [r[:-1] for r in rest])
         if self._prefixes is not None:
             for i, sequence in enumerate(group):
-                prompt = sequence.request.prompt_token_ids
-                if self._prefixes.has_new_blocks(prompt):  # extracting copies the sequence's whole KV
-                    self._prefixes.store(prompts.extract_cache(i), prompt)
+                prompt_ids = sequence.request.prompt_token_ids
+                if self._prefixes.has_new_blocks(prompt_ids):  # extracting copies the sequence's whole KV
+                    self._prefixes.store(prompts.extract_cache(i), prompt_ids)
         return prompts.generate([r[-1:] for r in rest])
 
     def _fill(self, prompts: PromptProcessingBatch, group: list[_Sequence], todo: list[list[int]]) -> None:

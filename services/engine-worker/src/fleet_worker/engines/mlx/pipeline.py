@@ -3,7 +3,8 @@ in other processes (other machines), joined by mx.distributed's ring backend ove
 
 Every rank runs the same MlxEngine on the same requests in the same order (lock-step): rank 0 takes
 the worker's commands and shares them with the others before each step (`Ring.share_bytes`), so the
-ranks' batches have the same rows and shapes and their collective operations pair up. The forward
+ranks' batches have the same rows and shapes and their collective operations pair up. The engine's
+`Pipeline` stepping (stepping.py) makes every choice a rank would make alone a shared one. The forward
 pass of a rank runs its layers only: the first of them receives the hidden state from the previous
 rank, the last sends it on; the last rank's output is gathered to every rank, which applies the
 final norm and head itself (as mlx-lm's own pipelined models do). Sampled tokens are rank 0's,
@@ -20,6 +21,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,23 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, load_tokenizer
 
+from fleet_proto import StructuredOutput
+from fleet_store.handoff import (
+    AssembledKV,
+    HandoffError,
+    HandoffWriter,
+    assemble,
+    frame,
+    layer_range,
+    read_folder,
+    split_frames,
+)
 from fleet_store.layers import read_safetensors_header, tensor_layer
+from fleet_worker.engines.base import KVExport, KVImport
+from fleet_worker.engines.grammar import Grammars
+from fleet_worker.engines.mlx.handoff import RankWriter
+from fleet_worker.engines.mlx.kv import MlxPrefixStore
+from fleet_worker.engines.mlx.sampling import Sampler
 
 # model_type -> how its inner model marks which cache a layer's attention mask comes from
 SUPPORTED = frozenset({"llama", "qwen3"})
@@ -207,7 +225,7 @@ def missing_weights(model: nn.Module, model_dir: Path, spec: PipelineSpec) -> li
         present.update(k for k in read_safetensors_header(path) if k != "__metadata__")
     names = [name for name, _ in tree_flatten(model.parameters())]
     names = [
-        n for n in names if tensor_layer(n) is None or spec.start_layer <= tensor_layer(n) < spec.end_layer
+        n for n in names if (layer := tensor_layer(n)) is None or spec.start_layer <= layer < spec.end_layer
     ]
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
     return [n for n in names if n not in present and not (tied and n.startswith("lm_head."))]
@@ -229,3 +247,69 @@ def load_shard(model_dir: Path, spec: PipelineSpec) -> tuple[nn.Module, Any, dic
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer, config
+
+
+class Pipeline:
+    """The engine's stepping (stepping.py) as one rank of the ring: what a rank would decide by itself
+    is decided alike on every rank (rank 0's choice, or the choice every rank can follow)."""
+
+    # the ranks' prefixes are in no index a decoder could ask
+    suffix_handoff_problem = "a pipeline takes whole-prompt handoffs only"
+
+    def __init__(self, ring: Ring, spec: PipelineSpec) -> None:
+        self.lockstep = ring
+        self.spec = spec
+
+    @property
+    def reports_progress(self) -> bool:
+        return self.lockstep.rank == 0  # rank 0 reports for the whole pipeline
+
+    def kv_tier(self, fingerprint: str, kv_dir: str) -> tuple[str, str]:
+        """A rank's blocks hold only its layers: they stay in its memory, named apart from the whole
+        model's, and never go to a KV folder (the shared tier)."""
+        return fingerprint and f"{fingerprint}/layers-{self.spec.start_layer}-{self.spec.end_layer}", ""
+
+    def agree(self, ok: bool) -> bool:
+        return self.lockstep.fewest([int(ok)]) == [1]
+
+    def shared_sampler(self, sampler: Sampler) -> Sampler:
+        """Every rank samples, and all take rank 0's tokens."""
+        ring = self.lockstep
+        return lambda logprobs: ring.share_tokens(sampler(logprobs))
+
+    def on_step_error(self, error: Exception) -> None:
+        raise error  # the other ranks are inside the same step: all must stop
+
+    def wait_for_grammar(self, grammars: Grammars, spec: StructuredOutput) -> None:
+        grammars.wait(spec, timeout_s=None)
+
+    def handoff_writer(self, spec: KVExport) -> HandoffWriter | RankWriter:
+        """Rank 0's writer of the folder gathers every rank's rows (rank 0's worker asked for the
+        handoff; the folder is on rank 0's machine)."""
+        ring = self.lockstep
+        writer = HandoffWriter(spec.folder, spec.handoff_id) if ring.rank == 0 else None
+        return RankWriter(ring, spec.handoff_id, self.spec.start_layer, writer)
+
+    def handoff_kv(self, spec: KVImport) -> AssembledKV:
+        """The handoff arrived at rank 0's worker: rank 0 shares its chunks over the ring and every
+        rank takes its own layers' part."""
+        ring = self.lockstep
+        frames, problem = b"", "rank 0 could not read the handoff"
+        if ring.rank == 0:
+            try:
+                frames = b"".join(frame(blob) for blob in read_folder(spec.folder))
+            except (OSError, HandoffError) as error:
+                problem = f"{problem}: {error}"
+        shared = ring.share_bytes(frames)
+        if not shared:
+            raise HandoffError(problem)
+        kv = assemble(split_frames(shared), spec.handoff_id, spec.start_pos)
+        return layer_range(kv, self.spec.start_layer, self.spec.end_layer)
+
+    def reusable_limits(
+        self, prompts: Sequence[Sequence[int]], store: MlxPrefixStore | None
+    ) -> list[int | None]:
+        """What every rank holds (each rank's memory evicts by its own blocks' sizes), so all
+        prefill alike."""
+        held = [store.reusable_tokens(prompt) if store else 0 for prompt in prompts]
+        return list(self.lockstep.fewest(held))

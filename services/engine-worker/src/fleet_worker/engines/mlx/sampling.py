@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
 from fleet_proto import SamplingParams
@@ -128,3 +130,35 @@ class LogitRules:
         if params.presence_penalty:
             logits = logits - params.presence_penalty * (self._counts > 0)
         return logits
+
+
+class RequestSampling:
+    """Each request's sampler, stop tokens and logit rules, as mlx-lm's batch classes take them.
+    `share` makes a sampler draw what every process of the engine draws (stepping.py)."""
+
+    def __init__(
+        self, vocab_size: int, eos_token_ids: frozenset[int], share: Callable[[Sampler], Sampler]
+    ) -> None:
+        self.vocab_size, self.eos_token_ids, self._share = vocab_size, eos_token_ids, share
+        self.greedy = share(greedy_sampler)  # one object: greedy rows share one batched call
+        self._eos_stop = StopSequences([[t] for t in sorted(eos_token_ids)])
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        if params.temperature == 0:
+            return self.greedy
+        return self._share(make_seeded_sampler(params, self.vocab_size))
+
+    def stop(self, params: SamplingParams) -> StopSequences:
+        if not (params.stop_token_ids or params.ignore_eos):
+            return self._eos_stop
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return StopSequences([[t] for t in sorted(eos | set(params.stop_token_ids))])
+
+    def processors(
+        self, params: SamplingParams, prompt: Sequence[int], constraint: TokenConstraint | None
+    ) -> list[Any]:
+        """The request's logits processors: its LogitRules when it asks for any rule."""
+        if not needs_rules(params):
+            return []
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        return [LogitRules(params, self.vocab_size, prompt, stops, constraint)]

@@ -44,7 +44,7 @@ def _plain_layers(cache: Sequence[object]) -> list[KVCache]:
     if not all(type(layer) is KVCache for layer in cache):
         kinds = sorted({type(layer).__name__ for layer in cache})
         raise ValueError(f"only plain KVCache layers convert to Fleet KV blocks, this cache has {kinds}")
-    return list(cache)  # type: ignore[arg-type]
+    return list(cache)
 
 
 def cache_to_blocks(

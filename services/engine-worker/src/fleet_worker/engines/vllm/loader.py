@@ -46,7 +46,7 @@ def register_progress_loader(total_layers: int, report: Callable[[int, int], Non
             # The base picks weight files by load_format: Fleet stages safetensors only.
             super().__init__(dataclasses.replace(load_config, load_format="safetensors"))
 
-        def get_all_weights(self, model_config, model):  # type: ignore[override]
+        def get_all_weights(self, model_config, model):
             return count_layers(super().get_all_weights(model_config, model), total_layers, report)
 
     register_model_loader(LOAD_FORMAT)(ProgressModelLoader)

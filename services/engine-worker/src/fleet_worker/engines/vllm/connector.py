@@ -32,7 +32,7 @@ the token's chunk first, then those layers, then done, so the decoder sends the 
 while the last KV is still being written (measured: writing 540 tokens' f32 layers inside the
 forward pass held the first token back by ~0.3 s on 2 cores).
 
-Rows move in and out of the paged cache through `vllm_paged` (block interiors differ per backend
+Rows move in and out of the paged cache through `paged.py` (block interiors differ per backend
 and, on CPU, per instruction set).
 """
 
@@ -61,7 +61,7 @@ from fleet_store.kv import (
     decode_block,
     prompt_blocks,
 )
-from fleet_worker.engines.vllm_paged import PagedLayout, ProbedPositions, SplitLastDim
+from fleet_worker.engines.vllm.paged import PagedLayout, ProbedPositions, SplitLastDim
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -292,23 +292,23 @@ class FleetKVConnector(KVConnectorBase_V1):
     def _paged(self) -> PagedLayout:
         """The backend's block interior, found on first use (the CPU kernel's ISA is known by then)."""
         if self._layout is None:
-            if current_platform.is_cpu():
-                name, (_, cache) = next(iter(self._caches.items()))
-                layer = self._vllm_config.compilation_config.static_forward_context[name]
-                isa = getattr(layer, "isa", None)  # set by CPU_ATTN's metadata builder
-                if isa is None:
-                    raise RuntimeError(
-                        f"layer {name} does not run on CPU_ATTN: Fleet cannot map its KV cache"
-                    )
-
-                def write(key, value, key_cache, value_cache, slots) -> None:
-                    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-
-                _, heads, block_size, both = cache.shape
-                self._layout = ProbedPositions.probe(write, heads, block_size, both // 2, cache.dtype)
-            else:
-                self._layout = SplitLastDim()
+            self._layout = self._find_layout()
         return self._layout
+
+    def _find_layout(self) -> PagedLayout:
+        if not current_platform.is_cpu():
+            return SplitLastDim()
+        name, (_, cache) = next(iter(self._caches.items()))
+        layer = self._vllm_config.compilation_config.static_forward_context[name]
+        isa = getattr(layer, "isa", None)  # set by CPU_ATTN's metadata builder
+        if isa is None:
+            raise RuntimeError(f"layer {name} does not run on CPU_ATTN: Fleet cannot map its KV cache")
+
+        def write(key, value, key_cache, value_cache, slots) -> None:
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+        _, heads, block_size, both = cache.shape
+        return ProbedPositions.probe(write, heads, block_size, both // 2, cache.dtype)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

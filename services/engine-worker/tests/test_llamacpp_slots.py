@@ -1,0 +1,94 @@
+"""The llama.cpp engine's slot allocator (pure, no llama.cpp): a request takes the free slot holding
+the longest prefix of its prompt but the last token, and idle slots' tokens give way, least recently
+used first, only as far as a reservation needs their cells."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet_worker.engines.llamacpp.slots import Slot, Slots, common_prefix
+
+pytestmark = pytest.mark.unit
+
+
+def held(slots: Slots, *tokens: list[int]) -> Slots:
+    for slot, these in zip(slots.all, tokens, strict=False):
+        slot.tokens[:] = these
+    return slots
+
+
+def test_common_prefix_counts_leading_equal_tokens() -> None:
+    assert common_prefix([1, 2, 3], (1, 2, 4)) == 2
+    assert common_prefix([1, 2], (1, 2, 3)) == 2
+    assert common_prefix([], (1,)) == 0
+    assert common_prefix([5], (1,)) == 0
+
+
+def test_a_prompt_takes_the_free_slot_with_its_longest_cached_prefix() -> None:
+    slots = held(Slots(3, 100), [1, 2], [1, 2, 3, 4], [9])
+    slot, keep = slots.choose((1, 2, 3, 4, 5, 6))
+    assert (slot.seq_id, keep) == (1, 4)
+
+
+def test_the_last_prompt_token_is_never_reused() -> None:
+    slots = held(Slots(1, 100), [1, 2, 3])
+    slot, keep = slots.choose((1, 2, 3))  # its logits give the first token: it is fed again
+    assert (slot.seq_id, keep) == (0, 2)
+
+
+def test_a_tie_goes_to_the_most_recently_used_slot_and_busy_slots_are_skipped() -> None:
+    slots = held(Slots(3, 100), [7], [7], [1, 2, 3])
+    slots.release(slots.all[0], step=5)
+    slots.release(slots.all[1], step=9)
+    slots.take(slots.all[2], 3, reserved=10)
+    slot, keep = slots.choose((1, 2, 3, 4))
+    assert (slot.seq_id, keep) == (1, 0)
+
+
+def test_no_free_slot_means_no_choice() -> None:
+    slots = Slots(2, 100)
+    for slot in slots.all:
+        slots.take(slot, 0, reserved=1)
+    assert slots.choose((1, 2)) is None
+
+
+def test_taking_a_slot_keeps_its_reused_prefix_and_reserves_cells() -> None:
+    slots = held(Slots(1, 100), [1, 2, 3, 4])
+    slot = slots.all[0]
+    slots.take(slot, 2, reserved=30)
+    assert (slot.tokens, slot.busy, slot.reserved) == ([1, 2], True, 30)
+    slots.release(slot, step=4)
+    assert (slot.tokens, slot.busy, slot.reserved, slot.last_used) == ([1, 2], False, 0, 4)
+
+
+def test_idle_slots_give_way_oldest_first_only_as_far_as_needed() -> None:
+    slots = held(Slots(4, 100), [1] * 30, [2] * 30, [3] * 30, [4] * 5)
+    for step, slot in ((3, slots.all[0]), (1, slots.all[1]), (2, slots.all[2])):
+        slots.release(slot, step)
+    slots.take(slots.all[3], 5, reserved=20)
+    keep = slots.all[2]
+    # busy 20 + asked 30 + idle 30 + 30 (keep's 30 count within the reservation) = 110 > 100
+    fits, dropped = slots.make_room(30, keep=keep)
+    assert fits and dropped == [slots.all[1]]  # the least recently used one, and only that one
+    assert slots.all[1].tokens == [] and len(slots.all[0].tokens) == 30 and len(keep.tokens) == 30
+
+
+def test_a_reservation_that_cannot_fit_drops_every_idle_slot_and_says_no() -> None:
+    slots = held(Slots(3, 100), [1] * 10, [], [3] * 5)
+    slots.take(slots.all[2], 5, reserved=60)
+    fits, dropped = slots.make_room(50, keep=slots.all[1])
+    assert not fits and dropped == [slots.all[0]]  # an empty idle slot has nothing to drop
+
+
+def test_released_slots_no_longer_count_as_reserved() -> None:
+    slots = Slots(2, 100)
+    first, second = slots.all
+    slots.take(first, 0, reserved=80)
+    assert slots.make_room(30, keep=second) == (False, [])
+    slots.release(first, step=1)
+    assert slots.make_room(30, keep=second) == (True, [])
+
+
+def test_slots_are_numbered_as_llama_cpp_seq_ids() -> None:
+    assert [slot.seq_id for slot in Slots(3, 10).all] == [0, 1, 2]
+    assert Slot(4).tokens == [] and not Slot(4).busy
