@@ -70,8 +70,6 @@ async def test_nothing_is_timed_without_a_store_weights_a_whole_model_or_a_versi
     tmp_path: Path, case: str
 ) -> None:
     calibrating, store, announced = calibrator(tmp_path, "off" if case == "off" else "all")
-    if case == "off":
-        calibrating = Calibrator(Calibration(), {})  # no store: FLEET_CALIBRATION=off
     engine = {"echo": "echo", "unknown engine version": "vllm"}.get(case, "mlx")
     shards = (
         Shard(node_id="n1", start_layer=0, end_layer=2),

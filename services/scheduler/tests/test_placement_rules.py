@@ -1,4 +1,7 @@
-"""Placement rules (seeds: exo's vLLM-aware placement) as pure functions over plain State values."""
+"""Placement rules (seeds: exo's vLLM-aware placement) as pure functions over plain State values.
+
+Past ~450 lines as one file: its cases follow placement.py's one ordered pipeline (candidates,
+scores, pick, layer split) and share its State builders; split apart, each part would copy them."""
 
 from __future__ import annotations
 

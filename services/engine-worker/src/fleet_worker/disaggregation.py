@@ -29,7 +29,7 @@ from fleet_worker.handoff_transport import HandoffFailed
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.request_stream import RequestStream
 from fleet_worker.request_trace import end_transfer, record_cancelled_transfer, start_transfer
-from fleet_worker.running import Export, RunningInstance
+from fleet_worker.running import Export, RunningInstance, reusable_hashes
 
 log = logging.getLogger("fleet_worker")
 # A model card's dtype -> the safetensors dtype its MLX decoder asks the prefill side to send.
@@ -79,7 +79,7 @@ class DecodeSide:
             return 0
         if not engine_facts(running.instance.engine).kv_memory_tier:  # its own pages are not indexed
             return 0
-        usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_block_size]
+        usable = reusable_hashes(task, self._kv_block_size)
         return self._kv.held_run(running.kv_fingerprint, usable) * self._kv_block_size
 
     async def receive(self, running: RunningInstance, stream: RequestStream, submit: Submit) -> None:
@@ -119,7 +119,6 @@ class DecodeSide:
             if trace is not None and transfer is not None:
                 record_cancelled_transfer(self._tracing, trace, transfer, now_ns())
                 stream.trace = None  # its spans are recorded
-            stream.receiving = None
             await stream.end("cancelled")
             raise
         finally:

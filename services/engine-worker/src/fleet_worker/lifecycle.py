@@ -334,13 +334,17 @@ class Lifecycle:
         running = self.running.pop(instance_id, None)
         if running is None:
             return
-        self._files.release(running.instance)
         await running.engine.stop()
         if running.pump is not None:
             await asyncio.gather(running.pump, return_exceptions=True)
+        await self._let_go(running)
+        log.info("instance %s unloaded", instance_id)
+
+    async def _let_go(self, running: RunningInstance) -> None:
+        """What an instance that no longer runs here held: its model's pin, its KV in the index."""
+        self._files.release(running.instance)
         if self._kv is not None and running.kv_fingerprint:
             await self._kv.forget(running.kv_fingerprint)
-        log.info("instance %s unloaded", instance_id)
 
     async def _engine_exited(self, running: RunningInstance) -> None:
         """The pump's end: an unload, or the engine died under us (a crash)."""
@@ -348,9 +352,7 @@ class Lifecycle:
         if self.running.get(iid) is not running:
             return
         self.running.pop(iid)
-        self._files.release(running.instance)
-        if self._kv is not None and running.kv_fingerprint:
-            await self._kv.forget(running.kv_fingerprint)
+        await self._let_go(running)
         await self._engine_crashed(running)
 
     async def _engine_crashed(self, running: RunningInstance) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from fleet_proto import Instance
+from fleet_proto import GenerateTask, Instance
 from fleet_worker.engines.base import EngineOutput, EngineRequest
 from fleet_worker.request_stream import RequestStream
 
@@ -40,6 +40,12 @@ class EngineHandle(Protocol):
     def outputs(self) -> AsyncIterator[EngineOutput]: ...
 
     async def stop(self, timeout_s: float = 10.0) -> None: ...
+
+
+def reusable_hashes(task: GenerateTask, block_size: int) -> tuple[str, ...]:
+    """The prompt's block hashes whose KV can be reused: full blocks before its last token (which
+    the engine always computes, to sample from)."""
+    return task.block_hashes[: (len(task.prompt_token_ids) - 1) // block_size]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from fleet_worker.engines.base import EngineOutput, EngineRequest, KVImport
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.request_stream import Publish, RequestStream
 from fleet_worker.request_trace import record_request, start_request_trace
-from fleet_worker.running import RunningInstance
+from fleet_worker.running import RunningInstance, reusable_hashes
 
 log = logging.getLogger("fleet_worker")
 
@@ -66,7 +66,7 @@ class RequestServer:
         stream = RequestStream(task, self._publish, partial(self._ended, running), trace)
         running.add_stream(stream)
         if self._kv is not None and running.kv_fingerprint and task.block_hashes:
-            usable = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self._kv_block_size]
+            usable = reusable_hashes(task, self._kv_block_size)
             stream.fetched = await self._kv.prefetch(running.kv_fingerprint, usable)
             if trace is not None:
                 trace.kv_fetch = (received, now_ns(), len(stream.fetched))

@@ -206,14 +206,21 @@ class LeaderLease:
 
     async def _own_revision(self, kv: KeyValue) -> int:
         """The key's revision while it names us; KeyWrongLastSequenceError when it does not."""
+        entry = await self._own_entry(kv)
+        if entry is None:
+            raise KeyWrongLastSequenceError
+        return entry[0]
+
+    async def _own_entry(self, kv: KeyValue) -> tuple[int, bytes] | None:
+        """The key's revision and value while it names us; None when it is gone, junk or another's."""
         try:
             entry = await kv.get(self.key)
             current = msgspec.json.decode(entry.value or b"", type=LeaseValue)
-        except (KeyNotFoundError, msgspec.DecodeError):
-            raise KeyWrongLastSequenceError from None
-        if current.holder != self.holder_id or entry.revision is None:
-            raise KeyWrongLastSequenceError
-        return entry.revision
+        except (KeyNotFoundError, msgspec.DecodeError):  # gone in between (next create wins), or junk
+            return None
+        if current.holder != self.holder_id or entry.revision is None or not entry.value:
+            return None
+        return entry.revision, entry.value
 
     async def _bucket(self) -> KeyValue | None:
         """Bind to the bucket (created by ensure_streams), waiting for it; None once released."""
@@ -278,15 +285,11 @@ class LeaderLease:
     async def _adopt(self, kv: KeyValue) -> tuple[int | None, bytes]:
         """The key exists: if it names us (a write of ours that landed after we gave up on it), take it
         back with compare-and-set, since nobody else can lead while it names us; else (None, b"")."""
-        try:
-            entry = await kv.get(self.key)
-            current = msgspec.json.decode(entry.value or b"", type=LeaseValue)
-        except (KeyNotFoundError, msgspec.DecodeError):  # gone in between (next create wins), or junk
+        if (own := await self._own_entry(kv)) is None:
             return None, b""
-        if current.holder != self.holder_id or entry.revision is None or not entry.value:
-            return None, b""
+        revision, value = own
         try:
-            return await kv.update(self.key, entry.value, last=entry.revision), entry.value
+            return await kv.update(self.key, value, last=revision), value
         except KeyWrongLastSequenceError:
             return None, b""
 
