@@ -34,6 +34,14 @@ def test_loading_and_kv_facts():
     assert engine_facts("llamacpp").weight_formats == ("as-is", "Q8_0", "F16")
 
 
+def test_memory_facts():
+    # vLLM keeps weights and KV in a CUDA GPU's memory and reserves its KV cache whole at start; the
+    # other engines load into host memory (fleet_proto.memory).
+    assert engines_where(lambda f: NodeKind.CUDA in f.gpu_memory_on) == ("vllm",)
+    assert engines_where(lambda f: bool(f.gpu_memory_on)) == ("vllm",)
+    assert engines_where(lambda f: f.reserves_kv_cache) == ("vllm",)
+
+
 def test_an_unknown_engine_can_do_nothing_special():
     assert engine_facts("some-new-engine") == UNKNOWN_ENGINE
     assert not (UNKNOWN_ENGINE.kv_export or UNKNOWN_ENGINE.kv_import or UNKNOWN_ENGINE.pipeline)

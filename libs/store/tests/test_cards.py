@@ -342,6 +342,11 @@ def test_unusable_configs_raise_card_error(config, message):
         ("4bit", "4bit"),  # never stripped to nothing
         ("org/Mistral-7B-Instruct-v0.3", "Mistral-7B-Instruct-v0.3"),  # -Instruct stays
         ("org/model-4bits", "model-4bits"),
+        ("bartowski/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct"),
+        ("someone/Qwen3-0.6B-Q4_K_M-GGUF", "Qwen3-0.6B"),
+        ("someone/Qwen3-0.6B-IQ3_XS", "Qwen3-0.6B"),
+        ("someone/Llama-3.2-1B-Instruct-Q8_0", "Llama-3.2-1B-Instruct"),
+        ("org/Qwen2.5-Coder-7B", "Qwen2.5-Coder-7B"),  # a size is no quant type
     ],
 )
 def test_base_model_name(model_id, expected):

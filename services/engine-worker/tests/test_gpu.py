@@ -108,7 +108,7 @@ def test_two_gpus_give_static_facts_and_samples():
 def test_unsupported_fields_are_minus_one_and_unified_memory_is_the_systems():
     reader = NvmlReader(FakeNvml(GB10), system_memory_bytes=lambda: 128 * GIB)
     (gpu,) = reader.static()
-    assert (gpu.name, gpu.memory_bytes) == ("NVIDIA GB10", 128 * GIB)
+    assert (gpu.name, gpu.memory_bytes, gpu.unified_memory) == ("NVIDIA GB10", 128 * GIB, True)
     (sample,) = reader.sample()
     assert (sample.memory_used_bytes, sample.memory_total_bytes, sample.power_w) == (-1, -1, -1)
     assert (sample.utilization_ratio, sample.temperature_c) == (pytest.approx(0.05), 45)
@@ -119,11 +119,13 @@ def test_a_gb10_makes_a_cuda_dgx_spark_node(tmp_path: Path):
     assert info.kind == "cuda"
     assert info.chip == DGX_SPARK_CHIP
     assert [g.name for g in info.gpus] == ["NVIDIA GB10"]
+    assert info.unified_memory  # placement counts one pool for all its engines
 
 
 def test_two_h100_make_a_cuda_node(tmp_path: Path):
     info = node_info("h", tmp_path, reader=NvmlReader(FakeNvml(TWO_H100)))
     assert (info.kind, info.chip, len(info.gpus)) == ("cuda", "2x NVIDIA H100 80GB HBM3", 2)
+    assert not info.unified_memory and not any(g.unified_memory for g in info.gpus)  # VRAM: its own pool
 
 
 def test_failing_init_or_missing_library_gives_none():

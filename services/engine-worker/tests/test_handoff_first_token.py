@@ -11,7 +11,7 @@ import pytest
 
 from fleet_store.handoff import FRAME_HEADER, HandoffChunk
 from fleet_store.kv import WireTensor
-from fleet_worker.handoff_transport import receive_stream
+from fleet_worker.handoff_transport import Received, receive_stream
 
 pytestmark = pytest.mark.unit
 
@@ -53,6 +53,6 @@ async def test_the_first_token_is_told_ahead_of_the_last_kv(tmp_path: Path) -> N
     port = server.sockets[0].getsockname()[1]
     async with server:
         received = await receive_stream(
-            (f"127.0.0.1:{port}",), "h1", tmp_path, 10.0, on_first_token=on_first_token
+            (f"127.0.0.1:{port}",), "h1", tmp_path, 10.0, received=Received(on_first_token=on_first_token)
         )
     assert heard == [7] and (received.chunks, received.first_token) == (4, 7)

@@ -52,7 +52,7 @@ def test_this_machine_has_no_gpus_and_that_is_normal(tmp_path: Path):
     assert NvmlReader.open() is None  # no NVML library here: None, not an error
     info = node_info("n", tmp_path)
     assert info.gpus == ()
-    assert info.kind == "cpu"
+    assert info.kind == "cpu" and not info.unified_memory
     assert abs(info.memory_total_bytes - _meminfo_total_bytes()) <= 0.05 * _meminfo_total_bytes()
     assert "mlx" in {engine.name for engine in info.engines}
     assert info.chip
@@ -85,6 +85,21 @@ def test_chip_on_linux_reads_dmi_then_cpuinfo(tmp_path: Path):
     (dmi / "board_name").write_text("Pi 5\n")
     cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 108.00\n")
     assert chip_name((), system="Linux", dmi_dir=dmi, cpuinfo=cpuinfo) == "Pi 5"
+
+
+def test_unified_memory_is_apple_silicon_a_dgx_spark_or_a_gpu_without_memory_of_its_own():
+    from fleet_proto import GpuInfo, NodeKind
+    from fleet_worker.probe import has_unified_memory
+
+    h100 = GpuInfo(name="NVIDIA H100 80GB HBM3", vendor="nvidia", memory_bytes=80 * 2**30)
+    gb10 = GpuInfo(name="NVIDIA GB10", vendor="nvidia", memory_bytes=128 * 2**30)
+    shared = GpuInfo(name="NVIDIA GPU", vendor="nvidia", memory_bytes=64 * 2**30, unified_memory=True)
+    assert has_unified_memory(NodeKind.APPLE, "")
+    assert has_unified_memory(NodeKind.CUDA, "", (gb10,))  # even where NVML reported memory for it
+    assert has_unified_memory(NodeKind.CUDA, "DGX_Spark")
+    assert has_unified_memory(NodeKind.CUDA, "", (shared,))
+    assert not has_unified_memory(NodeKind.CUDA, "DGX_H100", (h100, h100))
+    assert not has_unified_memory(NodeKind.CPU, "")
 
 
 def test_node_metrics_takes_an_optional_gpu_reader(tmp_path: Path):

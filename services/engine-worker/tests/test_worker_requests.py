@@ -149,6 +149,21 @@ async def test_a_prefill_workers_first_token_is_chunk_0_and_the_engine_goes_on_f
     assert handoffs.asked == [("r1", 0, "")]  # llama.cpp keeps its own KV: no wire dtype
 
 
+async def test_a_remote_prefills_progress_goes_out_before_the_first_token() -> None:
+    handoffs = FakeHandoffs(progress=(3, 6))
+    worker = Worker(handoffs=handoffs)
+    await worker.start_pump()
+    await worker.server.on_task(task("r1", prefill=PLAN))
+    await settle()
+    progress = [(c.index, c.prefilled_tokens, c.token_ids) for c in worker.chunks.of("r1")]
+    assert progress == [(0, 3, ()), (1, 6, ())]
+    handoffs.arrived.set()
+    await settle()
+    worker.engine.emit(output("r1", 43, done=1), output("r1", done=1, finish="length"))
+    await settle()
+    assert [c.index for c in worker.chunks.of("r1")] == [0, 1, 2, 3]
+
+
 async def test_a_failed_handoff_after_the_first_token_prefills_here_from_that_token() -> None:
     handoffs = FakeHandoffs(first_token=42, failure="the prefill worker went away")
     handoffs.arrived.set()

@@ -98,19 +98,33 @@ class FakeKV:
 
 
 class FakeHandoffs:
-    """A prefill worker's answer: optionally a first token at once, then the KV when `arrived` is
-    set, or `failure` (HandoffFailed) instead."""
+    """A prefill worker's answer: optionally a first token at once (or `progress` lines), then the KV
+    when `arrived` is set, or `failure` (HandoffFailed) instead."""
 
-    def __init__(self, first_token: int = -1, failure: str = "") -> None:
+    def __init__(self, first_token: int = -1, failure: str = "", progress: tuple[int, ...] = ()) -> None:
         self.first_token = first_token
         self.failure = failure
+        self.progress = progress
+        self.layers = -1  # what the decoder said its model has
         self.arrived = asyncio.Event()
         self.asked: list[tuple[str, int, str]] = []  # request, start position, wire dtype
 
     async def fetch(
-        self, request_id, plan, prompt, start_pos, wire_dtype, sampling=None, on_first_token=None
+        self,
+        request_id,
+        plan,
+        prompt,
+        start_pos,
+        wire_dtype,
+        sampling=None,
+        on_first_token=None,
+        on_progress=None,
+        layers=0,
     ):
         self.asked.append((request_id, start_pos, wire_dtype))
+        self.layers = layers
+        for prefilled in self.progress:
+            await on_progress(prefilled)
         if self.first_token >= 0 and on_first_token is not None:
             await on_first_token(self.first_token)
         await self.arrived.wait()

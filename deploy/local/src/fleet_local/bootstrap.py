@@ -14,6 +14,7 @@ from collections.abc import Callable
 import msgspec
 
 from fleet_proto import NodeInfo
+from fleet_proto.engines import engine_facts
 from fleet_proto.quality import within_budget
 from fleet_proto.speed import calibration
 
@@ -118,9 +119,6 @@ def serve_instance(
 SPLIT_DECODE_ENGINE, SPLIT_PREFILL_ENGINE = "llamacpp", "vllm"
 SPLIT_MIN_TOKENS = 256  # prompts longer than this prefill on the partner (measured: bench compare)
 PAIR_PROMPT_TOKENS = 512  # the prompt the pair's gain is judged on
-# The decoder's cost of taking the partner's KV, per prompt token: a 1,878-token split request spent
-# 1.31 s importing it into llama.cpp after the first token (trace of 2026-12-06).
-HANDOFF_S_PER_TOKEN = 0.0007
 PAIR_PAYS_RATIO = 0.8  # the pair's TTFT at most this share of the decoder's own
 PAIR_MEMORY_SHARE = 0.5  # the partner's measured peak at most this share of the node's free memory
 
@@ -148,7 +146,10 @@ def prefill_partner(
             "in the background; the next `fleet up` pairs them if it pays)"
         )
     alone = PAIR_PROMPT_TOKENS / own.prefill_tokens_per_s
-    paired = PAIR_PROMPT_TOKENS / partner.prefill_tokens_per_s + PAIR_PROMPT_TOKENS * HANDOFF_S_PER_TOKEN
+    paired = (
+        PAIR_PROMPT_TOKENS / partner.prefill_tokens_per_s
+        + PAIR_PROMPT_TOKENS * engine_facts(SPLIT_DECODE_ENGINE).kv_import_s_per_token
+    )
     figures = (
         f"TTFT({PAIR_PROMPT_TOKENS}) {alone:.2f} s on {SPLIT_DECODE_ENGINE} alone, ~{paired:.2f} s with "
         f"{SPLIT_PREFILL_ENGINE} prefilling (measured here)"

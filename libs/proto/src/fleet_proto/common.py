@@ -65,6 +65,8 @@ class GpuInfo(Frozen):
     name: str
     vendor: str  # "nvidia" | "apple" | ...
     memory_bytes: int
+    # It has no memory of its own (NVML reports none, as on a DGX Spark's GB10): memory_bytes is the host's.
+    unified_memory: bool = False
 
 
 class GpuSample(Frozen):
@@ -109,6 +111,10 @@ class NodeInfo(Frozen):
     ring_port_base: int = 0
     calibrations: tuple[EngineCalibration, ...] = ()  # measured engine speeds (issue 16)
     quality_budget: QualityBudget = QualityBudget()  # what this node's measurements are held to
+    # Its GPU shares host memory (Apple silicon, a DGX Spark's GB10): one pool, memory_available_bytes,
+    # for every engine. False: an engine that allocates on its GPU takes that GPU's own memory
+    # (fleet_proto.memory).
+    unified_memory: bool = False
 
 
 class ServiceKind(StrEnum):

@@ -56,11 +56,14 @@ class PrefillPlan(Frozen):
 
     transport: "stream" (a TCP connection to the prefill worker, chunks as layers are computed),
     "staged" (chunks through object storage), "auto" (stream, else staged).
+    overlap: chunks go out as the prefill computes them (layer streaming); False sends them once
+    the whole prefill is done (batch mode: one burst, transfer not hidden behind compute).
     """
 
     instance_id: str
     worker_id: str
     transport: str = "auto"
+    overlap: bool = True
 
 
 class GenerateTask(Frozen, tag_field="kind", tag="generate"):
@@ -93,6 +96,7 @@ class HandoffStats(Frozen):
     # the prefill's compute (wall clocks of both hosts)
     tail_s: float = 0.0
     fallback: str = ""  # why the decoder prefilled locally after all ("" when the handoff worked)
+    overlap: bool = True  # the chunks went out as computed (False: batch, after the whole prefill)
     first_token: bool = False  # the prefill engine sampled the first token; sent before decoding
 
 
@@ -108,6 +112,7 @@ class PrefillRequest(Frozen):
     prompt_token_ids: tuple[int, ...]
     start_pos: int = 0
     transport: str = "stream"
+    overlap: bool = True  # False: the chunks go out once the prefill is done (PrefillPlan.overlap)
     wire_dtype: str = ""  # safetensors dtype the decoder reads ("": as the prefill engine computes)
     sampling: SamplingParams | None = None
 

@@ -16,15 +16,16 @@ it since; the cached part comes from the KV block index (leading blocks per node
 lowest instance id, so the choice is deterministic. The reason records the expected hit, and how
 much of the prompt object storage (tier 2) holds: any worker can fetch that, so it moves no choice.
 
-Disaggregation: when the prompt part that the chosen decoder would have to compute (neither in its
-node's memory nor in object storage) is longer than `disagg_min_tokens` (the seed's 1,000), or the
-request asks for it, the prompt is prefilled on another ready instance of the same base model
-(role "prefill" first, then "both"; the fastest measured prefill engine, else the one whose facts
-prefer it for prefill (vLLM, the compute-strong one); then least loaded) and its KV handed to the
-decoder. Only engines whose facts say kv_import decode that way (fleet_proto.engines);
-any kv_export engine can be the partner: KV travels in one layout (Hugging Face's order of a head's
-dimensions, llama.cpp's permuted K converted at its edge), and llama.cpp's GGUF and the safetensors
-MLX and vLLM run are one model's weights (converted from it, or it quantized).
+Disaggregation (fleet_proto.partners): the prompt part the chosen decoder would have to compute
+(neither in its node's memory nor in object storage) is prefilled on another instance of the same
+base model with weights at least as precise (e.g. vLLM on the bf16 weights for an MLX 4-bit
+decoder) when the calibrations of both say that beats prefilling it locally, transfer included;
+while either is unmeasured, when that part is longer than `disagg_min_tokens` (the seed's 1,000);
+or when the request asks for it. Only engines whose facts say kv_import decode that way
+(fleet_proto.engines); any kv_export engine can be the partner: KV travels in one layout (Hugging
+Face's order of a head's dimensions, llama.cpp's permuted K converted at its edge), and llama.cpp's
+GGUF and the safetensors MLX and vLLM run are one model's weights (converted from it, or it
+quantized).
 A pipeline instance (layers split across nodes) takes part like any other: its rank 0, on the
 instance's node, is its one handoff endpoint and moves every rank's layers.
 """
@@ -36,17 +37,17 @@ from collections.abc import Callable, Mapping
 from fleet_proto.common import EngineCalibration, Instance, InstanceStatus
 from fleet_proto.engines import EngineFacts, engine_facts
 from fleet_proto.messages import RouteReply, RouteRequest
+from fleet_proto.partners import (
+    DECODE_ROLES,
+    DEFAULT_DISAGG_MIN_TOKENS,
+    DEFAULT_LINK_BYTES_PER_S,
+    base_model,
+    plan_prefill,
+)
 from fleet_proto.speed import calibration
 from fleet_proto.state import State
 
-DECODE_ROLES = ("both", "decode")
-PREFILL_ROLES = ("prefill", "both")
-DEFAULT_DISAGG_MIN_TOKENS = 1000
-
-
-def base_model(state: State, model_id: str) -> str:
-    card = state.models.get(model_id)
-    return card.base_model if card is not None and card.base_model else model_id
+__all__ = ["DEFAULT_DISAGG_MIN_TOKENS", "base_model", "ready_instances", "route"]
 
 
 def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE_ROLES) -> list[Instance]:
@@ -82,37 +83,6 @@ def route_cost(
     return load.get(instance.instance_id, 0) + max(prompt_tokens - cached.get(instance.node_id, 0), 0)
 
 
-def prefill_partner(
-    state: State,
-    model_id: str,
-    decoder: Instance,
-    load: Mapping[str, int],
-    avoid_nodes: tuple[str, ...] = (),
-) -> Instance | None:
-    """The instance to prefill for `decoder`, or None when no other instance can."""
-    if not engine_facts(decoder.engine).kv_import:
-        return None
-    candidates = [
-        i
-        for i in ready_instances(state, model_id, roles=PREFILL_ROLES)
-        if i.instance_id != decoder.instance_id
-        and engine_facts(i.engine).kv_export
-        and i.node_id not in avoid_nodes
-    ]
-    if not candidates:
-        return None
-    fastest = fastest_engines(state, candidates, "prefill_tokens_per_s", lambda f: f.prefill_preferred)
-    return min(
-        candidates,
-        key=lambda i: (
-            i.role != "prefill",
-            i.engine not in fastest,
-            load.get(i.instance_id, 0),
-            i.instance_id,
-        ),
-    )
-
-
 def route(
     state: State,
     request: RouteRequest,
@@ -120,6 +90,7 @@ def route(
     cached: Mapping[str, int] | None = None,
     tier2_tokens: int = 0,
     disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
+    link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
 ) -> RouteReply:
     """cached: node id -> leading prompt tokens whose KV that node holds in memory."""
     cached = cached or {}
@@ -137,24 +108,25 @@ def route(
         reason += f"; object storage holds {tier2_tokens}"
     if chosen.model_id != request.model_id:
         reason += f", same base model as {request.model_id}"
-    local = RouteReply(instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=reason)
-    if request.disaggregate == "never":
-        return local
-    uncached = request.prompt_tokens - max(cached.get(chosen.node_id, 0), tier2_tokens)
-    if request.disaggregate != "always" and uncached <= disagg_min_tokens:
-        return local
-    partner = prefill_partner(state, request.model_id, chosen, load, request.avoid_nodes)
-    if partner is None:
-        return local
-    why = (
-        "asked for"
-        if request.disaggregate == "always"
-        else f"{uncached} uncached tokens > {disagg_min_tokens}"
+    plan = plan_prefill(
+        state,
+        chosen,
+        request.prompt_tokens - max(cached.get(chosen.node_id, 0), tier2_tokens),
+        load,
+        request.disaggregate,
+        request.avoid_nodes,
+        disagg_min_tokens,
+        link_bytes_per_s,
     )
+    if plan.partner is None:
+        return RouteReply(
+            instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=f"{reason}; {plan.why}"
+        )
+    partner = plan.partner
     return RouteReply(
         instance_id=chosen.instance_id,
         worker_id=chosen.node_id,
-        reason=reason + f"; prefill on {partner.engine} {partner.instance_id} ({why})",
+        reason=reason + f"; prefill on {partner.engine} {partner.instance_id} ({plan.why})",
         prefill_instance_id=partner.instance_id,
         prefill_worker_id=partner.node_id,
     )

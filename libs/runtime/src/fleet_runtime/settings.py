@@ -57,9 +57,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_block_size: int = 256
     # An MLX engine's tier-1 budget: finished prompt blocks kept in its memory (0: none).
     kv_memory_bytes: int = 1 << 30
-    # Disaggregated prefill/decode: a prompt whose uncached part is longer than this many tokens is
-    # prefilled on a separate prefill instance of the same base model, when there is one.
+    # Disaggregated prefill/decode (fleet_proto.partners): while the decoder or its partner is not
+    # calibrated, a prompt whose uncached part is longer than this many tokens is prefilled on another
+    # instance of the same base model, when there is one; once both are, their measured speeds and
+    # the link's rate (bytes/s between workers; 10 Gb/s Ethernet by default) decide.
     disagg_min_tokens: int = 1000
+    disagg_link_bytes_per_s: float = 1.25e9
     # Request tracing: the share of requests the gateway traces (each service follows its choice),
     # and an OTLP/HTTP collector to export spans to besides the metrics-collector ("": none).
     trace_sample_rate: float = 1.0

@@ -37,7 +37,10 @@ _KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
 _DTYPE_KEYS = ("torch_dtype", "dtype")
 
 # Quantization / format suffixes of a model name ("-4bit", "-bf16", "-MLX" ...), stripped repeatedly.
-_QUANT_SUFFIX = re.compile(r"-(?:\d+bit|bf16|fp16|fp32|fp8|mlx)$", re.IGNORECASE)
+# GGUF repos name their format and llama.cpp's quant types: "-GGUF", "-Q4_K_M", "-IQ3_XS", "-F16"
+_QUANT_SUFFIX = re.compile(
+    r"-(?:\d+bit|bf16|fp16|fp32|fp8|f16|f32|mlx|gguf|i?q\d(?:_[a-z0-9]+)*)$", re.IGNORECASE
+)
 # A hub id: exactly "org/name", each part starting with a letter or digit.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -59,7 +62,8 @@ def base_model_name(model_id: str) -> str:
 
     "mlx-community/Llama-3.2-1B-Instruct-4bit" and "meta-llama/Llama-3.2-1B-Instruct" both give
     "Llama-3.2-1B-Instruct". Only quantization / format suffixes go ("-4bit", "-8bit", "-bf16",
-    "-fp16", "-fp32", "-fp8", "-mlx", any case); "-Instruct" and the like name different weights.
+    "-fp16", "-fp32", "-fp8", "-mlx", "-GGUF", llama.cpp's "-Q4_K_M" and the like, any case);
+    "-Instruct" and the like name different weights.
     """
     name = model_id.rsplit("/", 1)[-1]
     while True:

@@ -173,6 +173,17 @@ def chunk_metadata(data: bytes) -> dict[str, str]:
         return {}
 
 
+def chunk_layers(data: bytes) -> tuple[int, ...]:
+    """The layers whose KV rows a chunk carries, from its header alone: () when none or no chunk."""
+    try:
+        (length,) = struct.unpack("<Q", data[:8])
+        names = json.loads(data[8 : 8 + length])
+    except (struct.error, ValueError):
+        return ()
+    layers = {name.split(".")[1] for name in names if name.startswith("layers.") and name.endswith(".keys")}
+    return tuple(sorted(int(layer) for layer in layers if layer.isdigit()))
+
+
 def chunk_kind(data: bytes) -> str:
     return chunk_metadata(data).get("kind", "")
 

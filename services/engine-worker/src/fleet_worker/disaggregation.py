@@ -20,6 +20,7 @@ from opentelemetry.trace import use_span
 
 from fleet_proto import GenerateTask, HandoffStats, ModelCard, PrefillRequest, SamplingParams
 from fleet_proto.engines import engine_facts
+from fleet_proto.messages import GenerationOutput
 from fleet_runtime.tracing import Tracing, now_ns
 from fleet_store.handoff import append_error
 from fleet_worker.engine_process import EngineProcessExited
@@ -98,6 +99,15 @@ class DecodeSide:
             sent_first = token
             await stream.send_first_token(token)
 
+        async def send_progress(prefilled: int) -> None:  # as the prompt's layers arrive
+            await stream.send(
+                GenerationOutput(
+                    request_id=task.request_id, prompt_tokens=stream.prompt_tokens, prefilled_tokens=prefilled
+                )
+            )
+
+        card = self._model_card(running.instance.model_id)
+
         try:
             with use_span(transfer, end_on_exit=False) if transfer is not None else contextlib.nullcontext():
                 kv_import, stats = await self._handoffs.fetch(
@@ -105,9 +115,11 @@ class DecodeSide:
                     task.prefill,
                     task.prompt_token_ids,
                     self._held_prefix(running, task),
-                    wire_dtype(engine, self._model_card(running.instance.model_id)),
+                    wire_dtype(engine, card),
                     task.sampling if starts_from_first else None,
                     send_first,
+                    send_progress,
+                    card.num_layers if card is not None else 0,
                 )
             stream.kv_folder = Path(kv_import.folder)
         except HandoffFailed as error:

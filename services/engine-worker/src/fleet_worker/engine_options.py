@@ -1,14 +1,17 @@
 """The options an instance's engine is started with: the operator's (FLEET_ENGINE_OPTIONS), the
-shared KV cache's (FLEET_KV_*), and a pipeline rank's place in its ring."""
+shared KV cache's (FLEET_KV_*), the KV cache size its memory grant allows, and a pipeline rank's place
+in its ring."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fleet_proto import Instance
+from fleet_proto import Instance, ModelCard, NodeInfo
 from fleet_proto.engines import engine_facts
+from fleet_proto.memory import GPU_USABLE_FRACTION, kv_cache_budget
 from fleet_store import ModelManifest
 from fleet_store.kv import manifest_fingerprint
 
@@ -63,6 +66,53 @@ def engine_options(
         options.pop("kv_dir", None)
     if (options.get("kv_dir") or options.get("kv_memory_bytes")) and not options.get("kv_fingerprint"):
         options["kv_fingerprint"] = manifest_fingerprint(manifest)
+    return options
+
+
+# The memory options of an engine that reserves its KV cache at start (EngineFacts.reserves_kv_cache:
+# vLLM's constructor arguments). Either one set in FLEET_ENGINE_OPTIONS leaves the engine's memory to it.
+KV_CACHE_OPTION = "kv_cache_bytes"
+DEVICE_SHARE_OPTION = "gpu_memory_utilization"
+CONTEXT_OPTION = "max_model_len"
+AUTO_CONTEXT = -1  # vLLM: the longest context the KV cache holds (up to the model's own)
+BYTES_PER_VALUE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def memory_options(
+    configured: Mapping[str, Any],
+    engine: str,
+    card: ModelCard,
+    node: NodeInfo,
+    layers: int | None = None,
+    dtype: str = "",
+) -> dict[str, Any]:
+    """The KV cache an engine that reserves it whole at start gets from the memory placement granted
+    the instance (fleet_proto.memory, the rule placement counted it by), where the engine allocates on
+    the node's GPU: `kv_cache_bytes`; the `gpu_memory_utilization` vLLM checks is free on the device
+    before it starts (with a KV size given it sizes nothing by it: the grant's share of the device,
+    never vLLM's default 0.9 of it, which a second instance, or a unified-memory node's other
+    engines, would never leave free); and `max_model_len` -1 (what that cache holds) unless
+    configured. {} elsewhere (vLLM on a CPU keeps its own small cache), and when the operator set
+    `kv_cache_bytes` or `gpu_memory_utilization` (FLEET_ENGINE_OPTIONS wins). `dtype`: the weight
+    format served, when it is not the card's (float32 weights of a bfloat16 card take twice its
+    bytes)."""
+    facts = engine_facts(engine)
+    if not facts.reserves_kv_cache or node.kind not in facts.gpu_memory_on:
+        return {}
+    if KV_CACHE_OPTION in configured or DEVICE_SHARE_OPTION in configured:
+        return {}
+    n = card.num_layers if layers is None else layers
+    weights = card.storage_bytes * n // max(card.num_layers, 1)
+    staged, served = BYTES_PER_VALUE.get(card.dtype), BYTES_PER_VALUE.get(dtype)
+    if staged and served:
+        weights = weights * served // staged
+    kv = kv_cache_budget(card, facts, n, weights)
+    # The device's memory as vLLM sees it: the first GPU's (on a GB10 the probe reports the host's there).
+    device = node.gpus[0].memory_bytes if node.gpus else node.memory_total_bytes
+    share = min(max((weights + kv) / max(device, 1), 0.01), GPU_USABLE_FRACTION)
+    options: dict[str, Any] = {KV_CACHE_OPTION: kv, DEVICE_SHARE_OPTION: round(share, 4)}
+    if CONTEXT_OPTION not in configured:
+        options[CONTEXT_OPTION] = AUTO_CONTEXT
     return options
 
 

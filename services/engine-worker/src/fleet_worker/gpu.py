@@ -2,7 +2,8 @@
 
 A machine without the NVML library, without a driver or without GPUs is normal: `NvmlReader.open()`
 answers None and the node reports no GPUs. Fields a device does not support (NVML_ERROR_NOT_SUPPORTED,
-e.g. memory info on the unified-memory GB10 of a DGX Spark) are reported as -1 in samples.
+e.g. memory info on the unified-memory GB10 of a DGX Spark) are reported as -1 in samples; a GPU that
+reports no memory of its own is static()'s `unified_memory`, its memory the host's.
 """
 
 from __future__ import annotations
@@ -87,9 +88,12 @@ class NvmlReader:
                 continue
             name = _field(lambda h: _text(self._nvml.nvmlDeviceGetName(h)), handle, "name")
             total = _field(lambda h: int(self._nvml.nvmlDeviceGetMemoryInfo(h).total), handle, "memory")
-            if total is None or total <= 0:
+            unified = total is None or total <= 0  # no framebuffer of its own: it shares the host's
+            if unified:
                 total = self._system_memory_bytes()
-            gpus.append(GpuInfo(name=name or "NVIDIA GPU", vendor=NVIDIA, memory_bytes=total))
+            gpus.append(
+                GpuInfo(name=name or "NVIDIA GPU", vendor=NVIDIA, memory_bytes=total, unified_memory=unified)
+            )
         return tuple(gpus)
 
     def sample(self) -> tuple[GpuSample, ...]:

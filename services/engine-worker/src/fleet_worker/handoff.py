@@ -35,10 +35,12 @@ from fleet_proto.subjects import prefill_subject
 from fleet_runtime.tracing import Tracing
 from fleet_store import ObjectStore
 from fleet_worker.engines.base import KVImport
+from fleet_worker.handoff_progress import HandoffProgress
 from fleet_worker.handoff_transport import (
     FirstTokenHook,
     HandoffFailed,
     HandoffUnreachable,
+    ProgressHook,
     Received,
     download_staged,
     receive_stream,
@@ -167,7 +169,9 @@ class PrefillServer:
         error = ""
         try:
             with self._tracing.span("kv upload (object storage)", "transfer", parent=handoff.context):
-                await upload_folder(self._store, handoff.folder, request.handoff_id, self._stall_s)
+                await upload_folder(
+                    self._store, handoff.folder, request.handoff_id, self._stall_s, request.overlap
+                )
         except Exception as failure:  # the decoder sees the stall and prefills itself
             log.warning("handoff %s: staging failed: %s", request.handoff_id, failure)
             self._cancel_export(request)
@@ -186,7 +190,7 @@ class PrefillServer:
             if handoff is None:
                 return  # unknown or expired: closing tells the decoder
             with self._tracing.span("kv send (stream)", "transfer", parent=handoff.context) as send:
-                sent = await send_folder(writer, handoff.folder, self._stall_s)
+                sent = await send_folder(writer, handoff.folder, self._stall_s, handoff.request.overlap)
                 send.set_attribute("fleet.bytes", sent)
             handoff.end()  # delivered: the cleanup below is not the decoder's wait
             log.info("handoff %s: %d bytes streamed", handoff_id, sent)
@@ -236,10 +240,13 @@ class HandoffClient:
         wire_dtype: str,
         sampling: SamplingParams | None = None,
         on_first_token: FirstTokenHook | None = None,
+        on_progress: ProgressHook | None = None,
+        layers: int = 0,
     ) -> tuple[KVImport, HandoffStats]:
         """The received handoff and its numbers; HandoffFailed when the decoder must prefill itself.
         With `sampling`, the prefill may sample the first token too (KVImport.first_token), told to
-        `on_first_token` as soon as it arrives, ahead of the rest of the KV."""
+        `on_first_token` as soon as it arrives, ahead of the rest of the KV. `on_progress` hears how
+        much of the prompt has arrived (`layers`: the decoder's model's, to count partial steps)."""
         transports = ("stream", "staged") if plan.transport == "auto" else (plan.transport,)
         for transport in transports:
             handoff_id = uuid.uuid4().hex
@@ -253,11 +260,16 @@ class HandoffClient:
                 transport=transport,
                 wire_dtype=wire_dtype,
                 sampling=sampling,
+                overlap=plan.overlap,
             )
             started = time.perf_counter()
+            received = Received(
+                on_first_token=on_first_token if sampling is not None else None,
+                progress=HandoffProgress(len(prompt), layers, reported=start_pos),
+                on_progress=on_progress,
+            )
             try:
-                hook = on_first_token if sampling is not None else None
-                received = await self._receive(plan.worker_id, request, folder, hook)
+                await self._receive(plan.worker_id, request, folder, received)
             except HandoffUnreachable:
                 shutil.rmtree(folder, ignore_errors=True)
                 if transport == transports[-1]:
@@ -279,6 +291,7 @@ class HandoffClient:
                 transfer_s=received.last_at - started,
                 tail_s=received.tail_s,
                 first_token=first_token >= 0,
+                overlap=plan.overlap,
             )
             kv_import = KVImport(
                 folder=str(folder), handoff_id=handoff_id, start_pos=start_pos, first_token=first_token
@@ -287,7 +300,7 @@ class HandoffClient:
         raise HandoffFailed(f"no transport in {transports}")
 
     async def _receive(
-        self, worker_id: str, request: PrefillRequest, folder: Path, on_first_token: FirstTokenHook | None
+        self, worker_id: str, request: PrefillRequest, folder: Path, received: Received
     ) -> Received:
         try:
             reply = await self._bus.request(
@@ -298,9 +311,7 @@ class HandoffClient:
         if reply.error:
             raise HandoffFailed(f"prefill worker {worker_id} refused: {reply.error}")
         if request.transport == "staged":
-            return await download_staged(
-                self._store, reply.staged_prefix, folder, self._stall_s, on_first_token
-            )
+            return await download_staged(self._store, reply.staged_prefix, folder, self._stall_s, received)
         return await receive_stream(
-            reply.endpoints, request.handoff_id, folder, self._stall_s, on_first_token=on_first_token
+            reply.endpoints, request.handoff_id, folder, self._stall_s, received=received
         )

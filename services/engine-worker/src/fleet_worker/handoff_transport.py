@@ -32,10 +32,12 @@ from fleet_store.handoff import (
     FRAME_HEADER,
     FRAMES_FILE,
     HandoffError,
+    chunk_layers,
     chunk_metadata,
     chunk_name,
     frame_length,
 )
+from fleet_worker.handoff_progress import HandoffProgress
 
 POLL_S = 0.002  # how often a chunk folder is looked at for the next file
 STAGED_POLL_S = 0.02
@@ -44,6 +46,7 @@ TERMINAL_KINDS = ("done", "error")
 FIRST_TOKEN_KINDS = ("first", "done")
 
 FirstTokenHook = Callable[[int], Awaitable[None]]
+ProgressHook = Callable[[int], Awaitable[None]]  # prompt tokens whose KV has arrived
 
 
 class HandoffFailed(RuntimeError):
@@ -63,6 +66,8 @@ class Received:
     tail_s: float = 0.0  # the last chunk's write (producer's wall clock) -> its arrival
     first_token: int = -1  # the request's first token, when the prefill sampled it
     on_first_token: FirstTokenHook | None = None
+    progress: HandoffProgress | None = None  # told of each KV chunk until the first token
+    on_progress: ProgressHook | None = None
 
     async def took(self, blob: builtins.bytes) -> bool:  # plain `bytes` would name the field above
         """Count an arrived chunk (telling on_first_token of the first token the first time it
@@ -73,6 +78,16 @@ class Received:
         self.bytes += len(blob)
         meta = chunk_metadata(blob)
         kind = meta.get("kind")
+        if (
+            kind == "kv"
+            and self.first_token < 0
+            and self.progress is not None
+            and self.on_progress is not None
+        ):
+            start, end = int(meta.get("token_start", "0")), int(meta.get("token_end", "0"))
+            done = self.progress.arrived(start, end, chunk_layers(blob))
+            if done is not None:
+                await self.on_progress(done)
         if kind in FIRST_TOKEN_KINDS and self.first_token < 0:
             self.first_token = int(meta.get("first_token", "-1") or -1)
             if self.first_token >= 0 and self.on_first_token is not None:
@@ -114,6 +129,18 @@ async def follow_folder(folder: Path, stall_s: float) -> AsyncIterator[tuple[Pat
         seq, waited_since = seq + 1, time.monotonic()
 
 
+async def handoff_files(
+    folder: Path, stall_s: float, overlap: bool = True
+) -> AsyncIterator[tuple[Path, int]]:
+    """follow_folder's chunks; with overlap False (batch mode) none until the last was written."""
+    if overlap:
+        async for chunk in follow_folder(folder, stall_s):
+            yield chunk
+        return
+    for chunk in [chunk async for chunk in follow_folder(folder, stall_s)]:
+        yield chunk
+
+
 def tune(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None:
@@ -122,12 +149,14 @@ def tune(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-async def send_folder(writer: asyncio.StreamWriter, folder: Path, stall_s: float) -> int:
-    """Stream a handoff folder's chunks as they appear (the kernel copies the files: sendfile);
-    returns the bytes sent."""
+async def send_folder(
+    writer: asyncio.StreamWriter, folder: Path, stall_s: float, overlap: bool = True
+) -> int:
+    """Stream a handoff folder's chunks as they appear, or all at the end when not `overlap` (the
+    kernel copies the files: sendfile); returns the bytes sent."""
     loop = asyncio.get_running_loop()
     sent = 0
-    async for path, size in follow_folder(folder, stall_s):
+    async for path, size in handoff_files(folder, stall_s, overlap):
         writer.write(FRAME_HEADER.pack(size))
         await writer.drain()
         with path.open("rb") as file:
@@ -150,11 +179,12 @@ async def receive_stream(
     folder: Path,
     stall_s: float,
     connect_s: float = 3.0,
-    on_first_token: FirstTokenHook | None = None,
+    received: Received | None = None,
 ) -> Received:
-    """Connect to the first endpoint that answers, ask for the handoff, write its chunks to folder."""
+    """Connect to the first endpoint that answers, ask for the handoff, write its chunks to folder
+    (counted in `received`, whose hooks hear of the first token and the progress)."""
     reader, writer = await _connect(endpoints, connect_s)
-    received = Received(on_first_token=on_first_token)
+    received = received or Received()
     try:
         tune(writer)
         writer.write(f"{handoff_id}\n".encode())
@@ -190,11 +220,14 @@ async def _connect(
     raise HandoffUnreachable("no handoff endpoint answered: " + ("; ".join(problems) or "none offered"))
 
 
-async def upload_folder(store: ObjectStore, folder: Path, handoff_id: str, stall_s: float) -> int:
-    """Stage a handoff folder's chunks in object storage as they appear; returns the bytes."""
+async def upload_folder(
+    store: ObjectStore, folder: Path, handoff_id: str, stall_s: float, overlap: bool = True
+) -> int:
+    """Stage a handoff folder's chunks in object storage as they appear (or all at the end when not
+    `overlap`); returns the bytes."""
     sent, prefix = 0, staged_prefix(handoff_id)
     seq = 0
-    async for path, size in follow_folder(folder, stall_s):
+    async for path, size in handoff_files(folder, stall_s, overlap):
         await asyncio.to_thread(store.put_file, KV_BUCKET, f"{prefix}/{chunk_name(seq)}", path)
         sent += size
         seq += 1
@@ -206,10 +239,10 @@ async def download_staged(
     prefix: str,
     folder: Path,
     stall_s: float,
-    on_first_token: FirstTokenHook | None = None,
+    received: Received | None = None,
 ) -> Received:
     """Read a staged handoff's chunks in order as they are uploaded, into folder; then delete them."""
-    received = Received(on_first_token=on_first_token)
+    received = received or Received()
     try:
         with frames_file(folder) as frames:
             while True:

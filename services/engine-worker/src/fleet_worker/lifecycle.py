@@ -40,10 +40,18 @@ from fleet_store import (
     StoreUnavailable,
     load_manifest,
 )
+from fleet_store.cards import stand_in_card
 from fleet_store.layers import files_for_layers
 from fleet_worker.calibrating import Calibrator
 from fleet_worker.calibration import LOAD_TIMEOUT_S, warm_up_request
-from fleet_worker.engine_options import KVSettings, engine_options, pipeline_options, rank_label, shard_rank
+from fleet_worker.engine_options import (
+    KVSettings,
+    engine_options,
+    memory_options,
+    pipeline_options,
+    rank_label,
+    shard_rank,
+)
 from fleet_worker.engines.base import engine_spec
 from fleet_worker.kv_tier import WorkerKV
 from fleet_worker.model_cache import ModelCache
@@ -247,6 +255,7 @@ class Lifecycle:
             weight_format = self._calibrator.served_format(instance.engine, instance.model_id, options)
             if weight_format:
                 options[engine_spec(instance.engine).weight_option] = weight_format
+            options |= self._memory_options(instance, manifest, options)
             if instance.is_pipeline:
                 options["pipeline"] = pipeline_options(instance, rank)
             loading = ProgressReporter(lambda fraction: self._loading_progress(iid, fraction))
@@ -304,6 +313,22 @@ class Lifecycle:
                 self._state().models.get(instance.model_id), instance, folder
             )
         log.info("instance %s of %s ready (engine pid %d, rank %d)", iid, instance.model_id, engine.pid, rank)
+
+    def _memory_options(
+        self, instance: Instance, manifest: ModelManifest, options: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The KV cache the memory placement granted the instance here allows (engine_options.memory_options),
+        by the same rule placement counted it with: from the staged card, else one sized by the files."""
+        state = self._state()
+        node = state.nodes.get(self._node_id)
+        if node is None:
+            return {}
+        card = state.models.get(instance.model_id) or stand_in_card(instance.model_id, manifest.total_size)
+        shard = next((s for s in instance.shards if s.node_id == self._node_id), None)
+        layers = shard.end_layer - shard.start_layer if shard is not None and instance.is_pipeline else None
+        served = str(options.get(engine_spec(instance.engine).weight_option, ""))
+        configured = self._engine_config.get(instance.engine, {})
+        return memory_options(configured, instance.engine, card, node, layers, served)
 
     async def _warm_up(self, running: RunningInstance) -> None:
         """One 1-token generation, so the first user request does not pay for lazy initialisation."""

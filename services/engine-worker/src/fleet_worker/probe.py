@@ -98,6 +98,13 @@ def is_dgx_spark(product_name: str, gpus: Sequence[GpuInfo] = ()) -> bool:
     return any("gb10" in gpu.name.lower() for gpu in gpus) or "dgx spark" in product or "gx10" in product
 
 
+def has_unified_memory(kind: NodeKind, product_name: str, gpus: Sequence[GpuInfo] = ()) -> bool:
+    """Whether the node's GPU shares host memory: Apple silicon, a DGX Spark (whatever NVML said of its
+    memory), or a GPU that reports no memory of its own. Placement then counts one pool for every
+    engine (fleet_proto.memory)."""
+    return kind == NodeKind.APPLE or is_dgx_spark(product_name, gpus) or any(g.unified_memory for g in gpus)
+
+
 def chip_name(
     gpus: Sequence[GpuInfo] = (),
     *,
@@ -192,6 +199,7 @@ def node_info(
     disk = psutil.disk_usage(str(_existing(model_dir)))
     source = _reader(reader)
     gpus = source.static() if source is not None else ()
+    kind = NodeKind(overrides.kind) if overrides.kind else node_kind(gpus)
     return NodeInfo(
         node_id=node_id,
         hostname=socket.gethostname(),
@@ -203,7 +211,7 @@ def node_info(
         disk_total_bytes=int(disk.total),
         disk_free_bytes=int(disk.free),
         engines=node_engines(overrides),
-        kind=NodeKind(overrides.kind) if overrides.kind else node_kind(gpus),
+        kind=kind,
         chip=chip_name(gpus),
         gpus=gpus,
         cached_models=tuple(cached),
@@ -211,6 +219,7 @@ def node_info(
         ring_port_base=ring_port_base,
         calibrations=calibrations,
         quality_budget=quality_budget,
+        unified_memory=has_unified_memory(kind, read_dmi("product_name"), gpus),
     )
 
 

@@ -1,14 +1,17 @@
-"""The gateway's HTTP app: /health, /state (State rebuilt from the event stream), /events (SSE)."""
+"""The gateway's HTTP app: /health, /state (State rebuilt from the event stream, with each ready
+decoder's possible prefill partners, fleet_proto.partners), /events (SSE)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from aiohttp import web
 
 from fleet_bus import StateFollower
 from fleet_proto import encode
 from fleet_proto.events import EventBase
+from fleet_proto.partners import partner_table
 from fleet_proto.subjects import event_subject
 
 SSE_KEEPALIVE_S = 15.0
@@ -22,7 +25,9 @@ def sse_frame(seq: int, event: EventBase) -> bytes:
 
 def state_routes(follower: StateFollower) -> list[web.RouteDef]:
     async def get_state(_: web.Request) -> web.Response:
-        return web.Response(body=encode(follower.state), content_type="application/json")
+        state = follower.state
+        body = msgspec.to_builtins(state) | {"partners": partner_table(state)}
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def get_events(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(

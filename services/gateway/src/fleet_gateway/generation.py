@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.msg import Msg
@@ -74,11 +75,26 @@ class NodeLiveness:
         return seen is None or time.monotonic() - seen < NODE_SILENCE_S
 
 
-def prefill_plan(decision: RouteReply, transport: str) -> PrefillPlan | None:
+@dataclass(frozen=True)
+class SplitChoice:
+    """What a request asks of remote prefill (the bench endpoint's options)."""
+
+    disaggregate: str = "auto"  # "auto" (as routing decides) | "always" | "never"
+    transport: str = "auto"  # "auto" | "stream" | "staged"
+    overlap: bool = True  # False: batch mode, the KV goes out once the prefill is done
+
+
+AS_ROUTED = SplitChoice()  # what every request but the bench endpoint's asks
+
+
+def prefill_plan(decision: RouteReply, choice: SplitChoice) -> PrefillPlan | None:
     if not decision.prefill_instance_id:
         return None
     return PrefillPlan(
-        instance_id=decision.prefill_instance_id, worker_id=decision.prefill_worker_id, transport=transport
+        instance_id=decision.prefill_instance_id,
+        worker_id=decision.prefill_worker_id,
+        transport=choice.transport,
+        overlap=choice.overlap,
     )
 
 
@@ -125,12 +141,11 @@ class Generator:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         kv_fingerprint: str = "",
-        disaggregate: str = "auto",
-        transport: str = "auto",
+        choice: SplitChoice = AS_ROUTED,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Route, send the task, stream its chunks; with a KV fingerprint the prompt's block hashes go
         along, so the scheduler can route to cached prefixes and the worker can look them up.
-        disaggregate ("auto" | "always" | "never") and transport choose remote prefill.
+        `choice` says what the request asks of remote prefill.
         A worker that dies before taking the task (it is still in the work queue) does not fail the
         request: the task is withdrawn from the queue and routed to another node."""
         started = time.monotonic()
@@ -145,7 +160,7 @@ class Generator:
             prompt_tokens=len(prompt_token_ids),
             block_hashes=hashes,
             kv_fingerprint=kv_fingerprint,
-            disaggregate=disaggregate,
+            disaggregate=choice.disaggregate,
         )
         get_current_span().set_attributes({REQUEST_ID_ATTRIBUTE: request_id, "fleet.model": model_id})
         with self._tracing.span("route", "route", {"fleet.prompt_tokens": len(prompt_token_ids)}) as span:
@@ -173,7 +188,7 @@ class Generator:
                     sampling=sampling,
                     block_hashes=hashes,
                     kv_fingerprint=kv_fingerprint,
-                    prefill=prefill_plan(decision, transport),
+                    prefill=prefill_plan(decision, choice),
                     traceparent=traceparent(set_span_in_context(generating)),
                     sent_at_ns=time.time_ns(),
                 )

@@ -2,7 +2,7 @@
 and not), GET /v1/models, and
 POST /bench/chat/completions (a non-streamed chat completion with its generation stats; the seed's
 bench endpoint: `disaggregated` true / false forces or forbids remote prefill, `transport` picks
-"stream" or "staged")."""
+"stream" or "staged", `overlap` false sends the KV after the whole prefill instead of layer by layer)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from fleet_gateway.aliases import ready_models
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.fanout import collect, collect_choices
 from fleet_gateway.frames import Finished
+from fleet_gateway.generation import SplitChoice
 from fleet_gateway.parsing.output import Delta
 from fleet_gateway.streaming import stream_choices, stream_run
 from fleet_gateway.turns import ChatTurn, Prepared, Turns
@@ -31,6 +32,7 @@ class BenchOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     disaggregated: bool | None = None  # None: as routing decides
     transport: str = "auto"
+    overlap: bool = True  # False: batch mode, the KV goes out once the prefill is done
 
 
 def disaggregate_mode(options: BenchOptions) -> str:
@@ -88,11 +90,11 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
     async def bench_chat_completions(request: web.Request) -> web.Response:
         raw = await request.read()
         options = decode_json_body(raw, BenchOptions)
-        choices = {"disaggregate": disaggregate_mode(options), "transport": options.transport}
+        choice = SplitChoice(disaggregate_mode(options), options.transport, options.overlap)
         _, prepared = await prepare_chat(raw)
         completion_id, created = oai.new_completion_id(), int(time.time())
         started = time.monotonic()
-        run = await turns.start(completion_id, prepared, **choices)
+        run = await turns.start(completion_id, prepared, choice)
         text, finished = await collect(run)
         body = chat_body(completion_id, created, prepared.model.model_id, [(text, finished)])
         last = finished.last or TokenChunk(request_id=completion_id)

@@ -29,7 +29,7 @@ from fleet_gateway.aliases import known_models, ready_models, serving_model
 from fleet_gateway.detokenize import IncrementalDetokenizer
 from fleet_gateway.errors import ApiError
 from fleet_gateway.frames import Event, Failed, Finished, Progress
-from fleet_gateway.generation import Generator, NoInstance
+from fleet_gateway.generation import AS_ROUTED, Generator, NoInstance, SplitChoice
 from fleet_gateway.models import ModelCatalog, ModelInfo
 from fleet_gateway.parsing.harmony import HARMONY
 from fleet_gateway.parsing.output import Delta, TokenScore
@@ -339,11 +339,11 @@ class Turns:
             ask, tokenizer.eos_token_ids, model.max_model_len, prompt_len, self._limits, tokenizer.vocab_size
         )
 
-    async def start(self, request_id: str, prepared: Prepared, **choices: str) -> Run:
+    async def start(self, request_id: str, prepared: Prepared, choice: SplitChoice = AS_ROUTED) -> Run:
         """Route and send the task; wait for its first chunk (errors here are still responses)."""
         model = prepared.model
         chunks = self._generator.generate(
-            request_id, model.model_id, prepared.prompt, prepared.sampling, model.kv_fingerprint, **choices
+            request_id, model.model_id, prepared.prompt, prepared.sampling, model.kv_fingerprint, choice
         )
         try:
             first = await anext(chunks, None)

@@ -264,7 +264,13 @@ async def main(ctx: ServiceContext) -> None:
             )
         with ctx.tracing.span("route decision", "route") as span:
             reply = route(
-                ctx.follower.state, request, tracker.load(), cached, tier2, ctx.settings.disagg_min_tokens
+                ctx.follower.state,
+                request,
+                tracker.load(),
+                cached,
+                tier2,
+                ctx.settings.disagg_min_tokens,
+                ctx.settings.disagg_link_bytes_per_s,
             )
             span.set_attribute("fleet.reason", reply.reason or reply.error)
         if unindexed and reply.instance_id:  # say so: "0 tokens cached" alone reads like a cold cache

@@ -1,7 +1,9 @@
 """Where a new instance runs: pure functions of State that list, score and pick placements.
 
 The rules come from the seeds (exo's vLLM-aware placement): an engine runs only where it is installed;
-a model needs its weights times the engine's headroom; packed quantized weights (MLX's) load only in
+a model needs its weights times the engine's headroom, in the memory pool the engine loads into on
+each node (fleet_proto.memory: a discrete GPU's memory for vLLM on CUDA, else host memory, which a
+unified-memory node's engines all share); packed quantized weights (MLX's) load only in
 engines that read their format, and only on node kinds where those engines run them (MLX: not
 CUDA); a model's card may name the node kinds it runs best on (mlx-community's: Apple, then CPU);
 unless the engine is asked for, the engine that runs the model fastest on a node comes first there
@@ -13,20 +15,20 @@ ring on a port of its node's range.
 Every rule reads facts: the engine's (fleet_proto.engines, the `engines` table) and the model's
 card (fleet_store.cards computes what its name implies); none compares an engine's or a model's name.
 
-Whole at ~480 lines: the rules above are one ordered pipeline (candidates, then their scores, then
+Whole at ~510 lines: the rules above are one ordered pipeline (candidates, then their scores, then
 a pick, with the layer split as its fallback), read top to bottom like the seeds' placement.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import msgspec
 
 from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, PlacementOption, Shard, State
-from fleet_proto.engines import ENGINE_FACTS, EngineFacts, engine_facts
+from fleet_proto.engines import ENGINE_FACTS, UNKNOWN_ENGINE, EngineFacts, engine_facts
+from fleet_proto.memory import MemoryPool, memory_pool, pool_bytes, share_bytes
 from fleet_proto.speed import describe, engine_order
 from fleet_store.cards import stand_in_card, with_conventions
 
@@ -172,26 +174,55 @@ def memory_needed(card: ModelCard, shards: Sequence[Shard], headroom: float) -> 
     """Bytes each node needs: its share of the layers' storage, times the engine's headroom."""
     need: dict[str, int] = {}
     for s in shards:
-        layers = s.end_layer - s.start_layer
-        share = math.ceil(card.storage_bytes * layers * headroom / max(card.num_layers, 1))
-        need[s.node_id] = need.get(s.node_id, 0) + share
+        need[s.node_id] = need.get(s.node_id, 0) + share_bytes(card, s.end_layer - s.start_layer, headroom)
     return need
 
 
-def free_bytes(state: State, caps: Mapping[str, EngineFacts] = ENGINE_FACTS) -> dict[str, int]:
-    """Each node's available memory (as it joined) less what its live instances take."""
-    promised: dict[str, int] = {}
+def _pool(state: State, node_id: str, facts: EngineFacts) -> MemoryPool:
+    node = state.nodes.get(node_id)
+    return memory_pool(node, facts) if node is not None else MemoryPool.HOST
+
+
+def promised_bytes(
+    state: State, caps: Mapping[str, EngineFacts] = ENGINE_FACTS
+) -> dict[tuple[str, MemoryPool], int]:
+    """What the live instances take from each (node, pool): each rank counted in the pool its engine
+    loads into on its node."""
+    promised: dict[tuple[str, MemoryPool], int] = {}
     for instance in state.instances.values():
         card = _known_card(state, instance.model_id)
         if instance.status not in _PROMISING or card is None:
             continue
         whole = (Shard(node_id=instance.node_id, start_layer=0, end_layer=card.num_layers),)
-        headroom = engine_facts(instance.engine, caps).memory_headroom
-        for node_id, n in memory_needed(card, instance.shards or whole, headroom).items():
-            promised[node_id] = promised.get(node_id, 0) + n
-    return {
-        node_id: n.memory_available_bytes - promised.get(node_id, 0) for node_id, n in state.nodes.items()
-    }
+        facts = engine_facts(instance.engine, caps)
+        for node_id, n in memory_needed(card, instance.shards or whole, facts.memory_headroom).items():
+            key = (node_id, _pool(state, node_id, facts))
+            promised[key] = promised.get(key, 0) + n
+    return promised
+
+
+def free_bytes(
+    state: State,
+    caps: Mapping[str, EngineFacts] = ENGINE_FACTS,
+    facts: EngineFacts = UNKNOWN_ENGINE,
+    promised: Mapping[tuple[str, MemoryPool], int] | None = None,
+) -> dict[str, int]:
+    """Each node's free memory in the pool an engine with `facts` loads into there (host memory by
+    default): what the pool held as the node joined less what its live instances take from it."""
+    promised = promised_bytes(state, caps) if promised is None else promised
+    free = {}
+    for node_id, node in state.nodes.items():
+        pool = memory_pool(node, facts)
+        free[node_id] = pool_bytes(node, pool) - promised.get((node_id, pool), 0)
+    return free
+
+
+def _of(node: NodeInfo, facts: EngineFacts) -> str:
+    """How a reason names the pool its GiB are of: a GPU's own memory, a unified-memory node's one
+    pool (which its other engines share), and plain host memory unnamed."""
+    if memory_pool(node, facts) is MemoryPool.GPU:
+        return f" of {MemoryPool.GPU}"
+    return " of unified memory" if node.unified_memory else ""
 
 
 def split_layers(num_layers: int, weights: Sequence[int]) -> list[int]:
@@ -220,15 +251,17 @@ def _evaluate(
     need = memory_needed(card, shards, facts.memory_headroom)
     after = {node_id: free[node_id] - n for node_id, n in need.items()}
     nodes = [state.nodes[node_id] for node_id in need]
+    of = {n.node_id: _of(n, facts) for n in nodes}
     problems = [(n.node_id, node_refusal(card, engine, n, facts, len(nodes) > 1)) for n in nodes]
-    problems += [(i, f"needs {gib(need[i])}, {gib(free[i])} free") for i in need if after[i] < 0]
+    problems += [(i, f"needs {gib(need[i])}{of[i]}, {gib(free[i])} free") for i in need if after[i] < 0]
     problems = [(i, p) for i, p in problems if p]
     uncached = sum(card.model_id not in n.cached_models for n in nodes)
     kind = min(kind_rank(card, n) for n in nodes)
     if problems:
         reason = problems[0][1] if len(nodes) == 1 else ", ".join(f"{i}: {p}" for i, p in problems)
     else:
-        reason = f"fits with {gib(min(after.values()))} left"
+        tightest = min(after, key=lambda i: after[i])
+        reason = f"fits with {gib(after[tightest])}{of[tightest]} left"
         reason += "; files cached" if uncached == 0 else ""
         reason += f"; {nodes[0].kind} preferred for {card.publisher}" if kind and len(nodes) == 1 else ""
         reason += f"; {speed[1]}" if speed[1] else ""
@@ -271,13 +304,14 @@ def placement_options(
 ) -> list[PlacementOption]:
     """Every way to run model_id on the cluster (on asked_engine when given), feasible first, best first."""
     card = model_card(state, model_id)
-    free = free_bytes(state, caps)
+    promised = promised_bytes(state, caps)
     nodes = sorted(state.nodes.values(), key=lambda n: n.node_id)
     options: list[PlacementOption] = []
     for engine in _engines(card, caps, asked_engine):
         if refusal := engine_refusal(card, engine, caps[engine]):
             options.append(PlacementOption(engine=engine, shards=(), feasible=False, reason=refusal))
             continue
+        free = free_bytes(state, caps, caps[engine], promised)
         singles = [
             _evaluate(
                 state,
@@ -349,9 +383,10 @@ def _explicit_options(
     shards: tuple[Shard, ...],
     caps: Mapping[str, EngineFacts],
 ) -> list[PlacementOption]:
-    free = free_bytes(state, caps)
+    promised = promised_bytes(state, caps)
     options = []
     for engine in engines:
+        free = free_bytes(state, caps, caps[engine], promised)
         problem = (
             engine_refusal(card, engine, caps[engine])
             or layout_problem(state, card, engine, shards, caps)
