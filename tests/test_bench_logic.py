@@ -1,4 +1,5 @@
-"""The benchmarks' pure parts: sweeps, prompts of a given length, statistics, the README table."""
+"""The benchmarks' pure parts: sweeps, prompts of a given length, statistics, the README table, and
+`fleet bench disagg`'s options, plan (its dry run), rows and checks of pinned instances."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tests.support import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import compare
+import disagg
 import loadgen
 import report
 import serve
@@ -191,3 +193,112 @@ def test_keys_for_a_keyed_gateway_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("FLEET_ADMIN_KEY", "fleet-admin-1")
     assert loadgen.auth_headers() == {"Authorization": "Bearer fleet-1"}
     assert loadgen.auth_headers(admin=True) == {"Authorization": "Bearer fleet-admin-1"}
+
+
+# -- fleet bench disagg --------------------------------------------------------------------------------
+def test_disagg_modes_put_overlapping_and_batch_transfers_side_by_side() -> None:
+    modes = disagg.disagg_modes()
+    assert list(modes) == ["colocated", "stream", "stream_batch", "staged", "staged_batch"]
+    assert modes["colocated"] == {"disaggregated": False}
+    assert modes["stream"] == {"disaggregated": True, "transport": "stream"}  # overlapping: the default
+    assert modes["staged_batch"] == {"disaggregated": True, "transport": "staged", "overlap": False}
+    assert list(disagg.disagg_modes(batch_only=True, transports=["stream"])) == ["colocated", "stream_batch"]
+    with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+        disagg.disagg_modes(transports=["tcp"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--decode-model", "m"], "--decode-model name parts of a running cluster: add --url"),
+        (["--url", "http://g", "--tiny", "--decode-model", "m"], "--tiny starts its own stack"),
+        (["--url", "http://g"], "--url needs --decode-model"),
+        (
+            ["--url", "http://g", "--model", "m", "--prefill-model", "p", "--prefill-instance", "i"],
+            "not both",
+        ),
+        (["--url", "http://g", "--model", "m", "--repeat", "0"], "--repeat must be at least 1"),
+    ],
+)
+def test_disagg_refuses_options_that_do_not_fit(argv: list[str], error: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        disagg.parse_args(argv)
+    assert exited.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_a_disagg_plan_lists_every_request_in_the_order_sent() -> None:
+    args = disagg.parse_args(["--url", "http://g/", "--decode-model", "m", "--pp", "64,128", "--tg", "4",
+                              "--batch", "--repeat", "2"])  # fmt: skip
+    plan = disagg.plan_of(args)
+    assert (plan.gateway, plan.model, plan.pps, plan.tgs, plan.repeat) == ("http://g", "m", [64, 128], [4], 2)
+    requests = plan.requests()
+    assert [(pp, rep, mode) for pp, _, rep, mode, _ in requests[:6]] == [
+        (64, 0, "colocated"), (64, 0, "stream_batch"), (64, 0, "staged_batch"),
+        (64, 1, "colocated"), (64, 1, "stream_batch"), (64, 1, "staged_batch"),
+    ]  # fmt: skip
+    body = requests[1][4]
+    assert body["model"] == "m" and body["max_tokens"] == 4 and body["temperature"] == 0
+    assert (body["disaggregated"], body["transport"], body["overlap"]) == (True, "stream", False)
+    text = disagg.describe_plan(plan)
+    assert text.startswith(
+        "plan: 2 prompt lengths x 1 generation lengths x 3 modes x 2 repeats = 12 requests"
+    )
+    assert text.count("  POST http://g/bench/chat/completions ") == 12 and "probe requests" in text
+    own = disagg.plan_of(disagg.parse_args(["--tiny"]))
+    assert own.model == "tiny/llama-disagg" and own.gateway == "" and "prefill-only mlx on w2" in own.notes[0]
+
+
+def test_a_live_runs_prompts_are_sized_by_two_probes() -> None:
+    count = disagg.linear_count({110: 1110, 10: 110})  # 10 tokens of template, 10 a sentence
+    assert count(0) == 10 and count(50) == 510
+    assert disagg.units_for(515, count) == 50 and disagg.units_for(5, count) == 1
+
+
+def stats(ttft: float, node: str = "") -> dict:
+    handoff = {"prefill_worker_id": node} if node else None
+    return {"ttft_s": ttft, "handoff": handoff}
+
+
+def test_a_disagg_row_keeps_median_runs_their_ratios_and_prefills_off_the_pinned_nodes() -> None:
+    runs = {
+        "colocated": [stats(2.0), stats(1.0), stats(3.0)],
+        "stream": [stats(0.5, "w2"), stats(0.4, "w2"), stats(0.6, "w3")],
+        "stream_batch": [stats(0.8, "w2")],
+    }
+    row = disagg.point_row(512, 8, runs, {"w2"})
+    assert row["colocated"]["ttft_s"] == 2.0 and row["stream"]["ttft_s"] == 0.5  # the medians
+    assert len(row["colocated_runs"]) == 3 and "stream_batch_runs" not in row
+    assert row["ttft_stream_over_colocated"] == 0.25
+    assert row["ttft_stream_batch_over_overlap"] == pytest.approx(1.6)
+    assert row["prefilled_elsewhere"] == ["stream"]
+    assert "prefilled_elsewhere" not in disagg.point_row(512, 8, runs)  # nothing pinned
+    assert disagg.median_run([stats(1.0), stats(3.0)])["ttft_s"] == 1.0
+
+
+def test_pinned_instances_are_checked_against_the_clusters_state() -> None:
+    instances = {
+        "d": {"model_id": "m", "node_id": "w1", "status": "ready", "role": "decode"},
+        "p": {"model_id": "m", "node_id": "w2", "status": "ready", "role": "prefill"},
+        "q": {"model_id": "m-bf16", "node_id": "w3", "status": "ready", "role": "both"},
+        "l": {"model_id": "m", "node_id": "w4", "status": "loading", "role": "both"},
+    }
+    state = {"instances": instances, "partners": {"d": [{"instance_id": "p"}]}}
+
+    def plan(**pins: str) -> object:
+        return disagg.Plan(gateway="http://g", model="m", pps=[64], tgs=[8], modes={}, **pins)
+
+    assert disagg.pinned_problems(state, plan(decode_instance="d", prefill_instance="p")) == []
+    assert disagg.prefill_nodes(state, plan(prefill_instance="p")) == {"w2"}
+    assert disagg.prefill_nodes(state, plan(prefill_model="m-bf16")) == {"w3"}
+    assert disagg.pinned_problems(state, plan(decode_instance="p")) == [
+        "instance p is a prefill instance: it does not decode"
+    ]
+    assert disagg.pinned_problems(state, plan(decode_instance="d", prefill_instance="q")) == [
+        "instance q is not a prefill partner of d (its partners: p)"
+    ]
+    assert disagg.pinned_problems(state, plan(prefill_instance="l")) == ["instance l is loading, not ready"]
+    assert disagg.pinned_problems(state, plan(prefill_model="x")) == ["no ready instance of x prefills"]
+    assert (
+        disagg.pinned_problems({"instances": instances}, plan(decode_instance="d", prefill_instance="q"))
+        == []
+    )

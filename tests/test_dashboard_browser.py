@@ -1,6 +1,7 @@
 """The dashboard in headless Chromium (Debian's chromium + chromedriver, driven by Selenium) against
 the real embedded stack: the topology shows the worker node, creating an instance from the models
-view makes it ready and shows the engine's measured speed and quality, a chat message streams an
+view (its engine picked from those the cluster offers, and its role) makes it ready and shows the
+engine's measured speed and quality, a chat message streams an
 answer, the metrics plot has points (node memory, and the chat's time to first token), the traces
 view draws the chat request's timeline. A screenshot of each view is saved under
 test-artifacts/dashboard/."""
@@ -94,13 +95,23 @@ def test_the_topology_shows_the_worker_node(gateway, browser) -> None:
 
 
 def test_an_instance_created_from_the_models_view_becomes_ready(gateway, browser) -> None:
+    from selenium.webdriver.support.ui import Select
+
     show(browser, "models")
     card = wait(browser, lambda b: css(b, f'.model-card[data-model-id="{MODEL}"]'))[0]
     card.find_element("css selector", ".preview-placements").click()
     wait(browser, lambda b: css(b, f'.model-card[data-model-id="{MODEL}"] .placement'), 30)
+    engine = Select(card.find_element("css selector", ".instance-engine"))
+    # auto (the scheduler picks), then the engines GET /capabilities lists
+    assert [o.get_attribute("value") for o in engine.options] == ["", "mlx"]
+    engine.select_by_value("mlx")
+    role = Select(card.find_element("css selector", ".instance-role"))
+    assert [o.get_attribute("value") for o in role.options] == ["both", "prefill", "decode"]
+    role.select_by_value("both")
     card.find_element("css selector", ".create-instance").click()
     ready = f'.model-card[data-model-id="{MODEL}"] .instance[data-status="ready"]'
-    wait(browser, lambda b: css(b, ready))  # live: the events stream updates the view
+    instance = wait(browser, lambda b: css(b, ready))[0]  # live: the events stream updates the view
+    assert instance.find_element("css selector", ".instance-meta").text.startswith("mlx · both")
     # the worker times the engine it loaded at once, then (in the background) measures each engine's
     # quality against the model's float32 reference: both show in the card
     rows = f'.model-card[data-model-id="{MODEL}"] .measured'
@@ -179,8 +190,9 @@ def test_the_traces_view_shows_the_chat_requests_timeline(gateway, browser) -> N
     screenshot(browser, "traces")
 
 
-def test_the_timeline_orders_spans_under_their_parents_and_keeps_bars_on_the_axis(gateway, browser) -> None:
-    """The view's pure layout functions, run in the page's own module."""
+def test_the_pages_pure_functions(gateway, browser) -> None:
+    """The view's pure functions, run in the page's own module: node icons, prefill partners, the
+    create-instance body, the timeline's span order and bars."""
     result = browser.execute_async_script(
         """
         const done = arguments[arguments.length - 1];
@@ -190,6 +202,12 @@ def test_the_timeline_orders_spans_under_their_parents_and_keeps_bars_on_the_axi
           const spans = [span("c", "a", 50, 90), span("a", "", 0, 100), span("b", "a", 10, 40),
                          span("d", "b", 20, 30), span("x", "gone", 60, 61)];
           done({
+            nvidia: m.deviceKind({ kind: "cuda" }),
+            spark: m.deviceKind({ kind: "cuda", chip: "NVIDIA DGX Spark" }).key,
+            apple: m.deviceKind({ kind: "apple" }).key, cpu: m.deviceKind({ kind: "cpu" }).key,
+            partners: m.partnersText([{ instance_id: "p1", engine: "vllm", model_id: "x", why: "faster" }]),
+            none: m.partnersText(undefined), noneEmpty: m.partnersText([]),
+            body: m.instanceBody("x", "", "decode"), pinned: m.instanceBody("x", "vllm", "prefill"),
             rows: m.spanRows(spans).map((r) => [r.span.span_id, r.depth]),
             whole: m.barGeometry(span("a", "", 0, 100), 0, 100),
             tiny: m.barGeometry(span("t", "", 100, 100), 0, 100),
@@ -199,6 +217,12 @@ def test_the_timeline_orders_spans_under_their_parents_and_keeps_bars_on_the_axi
         """
     )
     assert "error" not in result, result
+    assert result["nvidia"] == {"key": "nvidia", "label": "NVIDIA GPU"}  # NodeKind "cuda"
+    assert (result["spark"], result["apple"], result["cpu"]) == ("spark", "apple", "cpu")
+    assert result["partners"] == "prefill partners: p1 (vllm)"
+    assert result["none"] is None and result["noneEmpty"] is None  # a /state without partners
+    assert result["body"] == {"model": "x", "role": "decode"}  # no engine: the scheduler picks
+    assert result["pinned"] == {"model": "x", "engine": "vllm", "role": "prefill"}
     assert result["rows"] == [["a", 0], ["b", 1], ["d", 2], ["c", 1], ["x", 0]]
     assert result["whole"] == {"left": 0, "width": 100}
     assert result["tiny"]["width"] > 0 and result["tiny"]["left"] + result["tiny"]["width"] <= 100

@@ -1,5 +1,6 @@
 """The dashboard's shipped files: each one the page links is in the package, and nothing else is
-reachable through /ui/<name>."""
+reachable through /ui/<name>; the lists the page keeps of the gateway's names (events, engines,
+instance roles, node kinds) are complete."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import re
 
 import pytest
 
+from fleet_gateway.admin import INSTANCE_ROLES, CreateInstanceBody
 from fleet_gateway.dashboard_routes import ASSETS, asset
 from fleet_gateway.errors import ApiError
 from fleet_proto import events
+from fleet_proto.common import NodeKind
+from fleet_proto.engines import ENGINE_FACTS
 from fleet_proto.subjects import event_subject
 from fleet_proto.traces import SPAN_CATEGORIES
 
@@ -51,3 +55,28 @@ def test_the_page_listens_to_every_named_event_of_the_stream() -> None:
 def test_the_timeline_has_a_colour_for_every_span_category() -> None:
     styled = set(re.findall(r'\[data-category="([a-z]+)"\]', (ASSETS / "style.css").read_text()))
     assert styled == set(SPAN_CATEGORIES)
+
+
+def js_list(name: str) -> list[str]:
+    listed = re.search(rf"const {name} = \[(.*?)\];", (ASSETS / "app.js").read_text(), re.DOTALL)
+    assert listed, name
+    return re.findall(r'"([a-z_]+)"', listed.group(1))
+
+
+def test_the_create_form_offers_every_engine_and_role_the_gateway_takes() -> None:
+    assert js_list("SERVING_ENGINES") == list(ENGINE_FACTS)
+    assert js_list("INSTANCE_ROLES") == list(INSTANCE_ROLES)
+    source = (ASSETS / "app.js").read_text()
+    body = re.search(r"export function instanceBody\(.*?\n}", source, re.DOTALL)
+    assert body and "engine" in body.group(0) and "role" in body.group(0)
+    assert set(re.findall(r"(\w+): ", body.group(0))) <= set(CreateInstanceBody.__struct_fields__)
+
+
+def test_each_node_kind_has_its_icon() -> None:
+    """NVIDIA nodes say "cuda" (NodeKind), not "nvidia": the icon follows the kind the nodes send."""
+    kind = re.search(
+        r"export function deviceKind\(node\) \{(.*?)\n}", (ASSETS / "app.js").read_text(), re.DOTALL
+    )
+    assert kind
+    tested = set(re.findall(r'kind === "([a-z]+)"', kind.group(1)))
+    assert tested == {k.value for k in NodeKind} - {NodeKind.CPU.value}  # cpu: the fallback

@@ -9,11 +9,14 @@ fleet down [--state-dir .fleet]
 fleet key [--admin] [--state-dir .fleet]        (print the gateway's API key, or its admin key)
 fleet pull MODEL --source SRC [--gateway URL]   (stage a model, with a progress bar)
 fleet bench NAME [ARGS...]                       (run bench/NAME.py of this checkout, e.g. disagg)
+fleet kv compare A B [--prompt TEXT] [--tokens N] [--env-file FILE] [--folders]
+                                                 (one prompt's KV on two instances or models, per layer)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
@@ -24,7 +27,7 @@ import time
 from pathlib import Path
 
 from fleet_bus.auth import redacted
-from fleet_local import stack
+from fleet_local import kv_compare, stack
 from fleet_local.bootstrap import (
     DEFAULT_MODEL,
     DEFAULT_SOURCE,
@@ -47,7 +50,7 @@ from fleet_local.services import (
     read_env_files,
     service_env,
 )
-from fleet_runtime.settings import SettingsError
+from fleet_runtime.settings import Settings, SettingsError, load_settings
 
 
 def fleet_command() -> str:
@@ -296,6 +299,57 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     os.execv(sys.executable, [sys.executable, str(script), *args.args])
 
 
+def _cmd_kv(args: argparse.Namespace) -> int:
+    try:
+        if args.folders:
+            kvs = [kv_compare.folder_kv(Path(target)) for target in args.targets]
+            sides = [f"{target}: {kv_compare.kv_dtype(kv)}, tokens {kv.start_pos}..{kv.end}"
+                     for target, kv in zip(args.targets, kvs, strict=True)]  # fmt: skip
+            rows, prompt = kv_compare.compare(*kvs), ""
+        else:
+            settings = _cluster_settings(args)
+            if settings is None:
+                return 1
+            result = asyncio.run(
+                kv_compare.compare_live(settings, tuple(args.targets), args.prompt, args.tokens, args.timeout)
+            )
+            sides, rows, prompt = list(result.sides), result.rows, f"{result.prompt_tokens} tokens"
+    except kv_compare.KVCompareError as exc:
+        print(f"fleet kv compare: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:  # numpy and tokenizers: the engine-worker's and the gateway's
+        print(f"fleet kv compare needs {exc.name}: pip install {exc.name}", file=sys.stderr)
+        return 1
+    least = kv_compare.worst(rows)
+    if args.json:
+        layers = [kv_compare.record(r) for r in rows]
+        print(json.dumps({"a": sides[0], "b": sides[1], "prompt": prompt, "layers": layers}, indent=2))
+    else:
+        print(f"A {sides[0]}\nB {sides[1]}" + (f"\nprompt {prompt}" if prompt else "") + "\n")
+        print(kv_compare.table(rows))
+        if least is not None:
+            print(f"\nleast alike: layer {least.layer} {least.part}, cosine {least.cosine:.6f}")
+    if args.min_cosine is not None and (least is None or least.cosine < args.min_cosine):
+        return 1
+    return 0
+
+
+def _cluster_settings(args: argparse.Namespace) -> Settings | None:
+    """Connection settings of the cluster: the --env-file files (then the environment), else the
+    stack in --state-dir."""
+    if args.env_file:
+        try:
+            return load_settings(service_env("kv", os.environ, read_env_files(args.env_file)))
+        except (EnvFileError, SettingsError) as exc:
+            print(f"fleet kv: {exc}", file=sys.stderr)
+            return None
+    manifest = stack.read_manifest(Path(args.state_dir).resolve())
+    if manifest is None:
+        print("no stack is running here: start one with `fleet up` or pass --env-file", file=sys.stderr)
+        return None
+    return stack.connection_settings(manifest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleet", description="Run Fleet's embedded stack on this machine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -368,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser = sub.add_parser("bench", help="run a benchmark of this checkout (bench/NAME.py)")
     bench_parser.add_argument("name", help="e.g. serve, compare, control-plane, kv, disagg, suite")
     bench_parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    _add_kv_parser(sub)
     args = parser.parse_args(argv)
     handlers = {
         "up": _cmd_up,
@@ -377,8 +432,41 @@ def main(argv: list[str] | None = None) -> int:
         "env": _cmd_env,
         "pull": _cmd_pull,
         "bench": _cmd_bench,
+        "kv": _cmd_kv,
     }
     return handlers.get(args.command, _cmd_service)(args)
+
+
+def _add_kv_parser(sub: argparse._SubParsersAction) -> None:
+    kv_parser = sub.add_parser("kv", help="inspect the cluster's KV cache")
+    kv_sub = kv_parser.add_subparsers(dest="kv_command", required=True)
+    compare = kv_sub.add_parser(
+        "compare",
+        help="prefill one prompt on two instances and print per-layer K/V differences",
+        description="Each target is an instance id or a model id (then a ready instance of it that "
+        "exports KV: role prefill or both). Both prefill the same token ids; their KV comes back "
+        "staged through object storage, as a disaggregated request's does.",
+    )
+    compare.add_argument("targets", nargs=2, metavar="TARGET", help="instance id, model id, or folder")
+    compare.add_argument(
+        "--folders", action="store_true", help="the targets are two handoff folders: compare offline"
+    )
+    compare.add_argument(
+        "--prompt", default=kv_compare.DEFAULT_TEXT, help="text repeated to --tokens (default: the seed's)"
+    )
+    compare.add_argument("--tokens", type=int, default=kv_compare.DEFAULT_TOKENS, help="prompt length")
+    compare.add_argument(
+        "--min-cosine", type=float, default=None, help="exit 1 when a layer part's cosine is below this"
+    )
+    compare.add_argument("--json", action="store_true")
+    compare.add_argument("--timeout", type=float, default=300.0, help="seconds a prefill may stall")
+    compare.add_argument("--state-dir", default=".fleet", help="the local stack (default .fleet)")
+    compare.add_argument(
+        "--env-file",
+        action="append",
+        default=[],
+        help="the cluster's FLEET_* settings instead (`fleet env`, compose's join-env)",
+    )
 
 
 if __name__ == "__main__":

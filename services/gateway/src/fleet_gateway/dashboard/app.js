@@ -7,7 +7,8 @@ const EVENT_NAMES = ("service_started service_stopped node_joined node_left inst
   + "model_deleted").split(" ");
 
 const state = {
-  data: { nodes: {}, instances: {}, downloads: {}, models: {} },
+  data: { nodes: {}, instances: {}, downloads: {}, models: {}, partners: {} },
+  engines: [], // the engines the cluster offers (GET /capabilities), for the create-instance form
   live: {}, // node id -> its latest metrics sample (memory, CPU, GPUs)
   lastJson: "",
   refreshTimer: null,
@@ -137,7 +138,10 @@ async function refreshState() {
   if (json === state.lastJson) return;
   state.lastJson = json;
   state.data = {};
-  for (const key of ["nodes", "instances", "downloads", "models"]) state.data[key] = data?.[key] || {};
+  // partners: decoder instance id -> the instances the router would prefill on for it (absent on
+  // gateways that do not compute them)
+  for (const key of ["nodes", "instances", "downloads", "models", "partners"]) state.data[key] = data?.[key] || {};
+  await refreshEngines();
   renderAll();
   refreshChatModels();
 }
@@ -173,12 +177,25 @@ function connectEvents() {
   };
 }
 
-// The engines instances can run on (nodes also list libraries such as mlx-lm and torch).
-const SERVING_ENGINES = ["mlx", "vllm"];
+// The engines instances can run on (fleet_proto.engines; a test keeps this list complete): nodes
+// also list libraries such as mlx-lm and torch.
+const SERVING_ENGINES = ["mlx", "vllm", "llamacpp", "echo"];
+// An instance's roles (fleet_gateway.admin.INSTANCE_ROLES): "both" prefills and decodes.
+const INSTANCE_ROLES = ["both", "prefill", "decode"];
 
 function servingEngines(nodes) {
   const names = new Set(nodes.flatMap((node) => (node.engines || []).map((engine) => engine.name)));
   return SERVING_ENGINES.filter((name) => names.has(name));
+}
+
+// The create-instance form offers what GET /capabilities says the cluster has (the nodes' engines
+// when it does not answer); refetched only when state changed.
+async function refreshEngines() {
+  const caps = await requestJSON("GET", "/capabilities").catch(() => null);
+  const names = caps?.engines ? Object.keys(caps.engines) : [];
+  state.engines = caps?.engines
+    ? SERVING_ENGINES.filter((name) => names.includes(name))
+    : servingEngines(Object.values(state.data.nodes));
 }
 
 function renderAll() {
@@ -192,12 +209,13 @@ function renderAll() {
 }
 
 // ---------- topology ----------
-function deviceKind(node) {
+// NodeInfo.kind (fleet_proto.common.NodeKind): "apple", "cuda" (NVIDIA GPUs) or "cpu".
+export function deviceKind(node) {
   const kind = String(node.kind || "").toLowerCase();
   const chip = String(node.chip || "");
   if (chip.includes("Spark")) return { key: "spark", label: "DGX Spark" };
   if (kind === "apple" || node.system === "Darwin") return { key: "apple", label: "Apple Mac" };
-  if (kind === "nvidia") return { key: "nvidia", label: "NVIDIA GPU" };
+  if (kind === "cuda") return { key: "nvidia", label: "NVIDIA GPU" };
   return { key: "cpu", label: kind && kind !== "cpu" ? kind : "Linux / CPU" };
 }
 
@@ -226,6 +244,21 @@ function memoryBar(node, live) {
     el("p", { className: "memory-text" }, `${gib(free)} free of ${gib(total)}`));
 }
 
+// One line for a decoder's prefill partners (GET /state's "partners"), or null when it has none.
+export function partnersText(partners) {
+  if (!Array.isArray(partners) || !partners.length) return null;
+  return `prefill partners: ${partners.map((p) => `${p.instance_id} (${p.engine || "?"})`).join(", ")}`;
+}
+
+function partnersLine(inst) {
+  const partners = state.data.partners?.[inst.instance_id];
+  const text = partnersText(partners);
+  if (!text) return null;
+  const why = partners.map((p) => `${p.instance_id}: ${p.model_id || ""} ${p.why ? `(${p.why})` : ""}`.trim());
+  return el("span", { className: "instance-partners", title: why.join("\n"),
+    "data-partners": partners.map((p) => p.instance_id).join(" ") }, text);
+}
+
 function instanceItem(inst, withDelete) {
   let status = inst.status || "unknown";
   // A worker pulling the model's files (downloading) or loading its layers reports how far it is.
@@ -237,6 +270,8 @@ function instanceItem(inst, withDelete) {
   el("span", { className: "instance-meta" }, `${inst.engine || "?"} · ${inst.role || "both"} · ${inst.node_id || "unplaced"}`),
   el("span", { className: `badge status-${inst.status}` }, status));
   if (inst.reason) item.append(el("span", { className: "instance-reason" }, inst.reason));
+  const partners = partnersLine(inst);
+  if (partners) item.append(partners);
   if (withDelete) item.append(deleteButton(inst.instance_id));
   return item;
 }
@@ -320,10 +355,17 @@ function previewPlacements(modelId) {
   });
 }
 
-function createInstance(modelId) {
+// POST /instances' body: the engine only when one was picked (else the scheduler picks), the role.
+export function instanceBody(modelId, engine, role) {
+  return { model: modelId, ...(engine ? { engine } : {}), role: role || "both" };
+}
+
+function createInstance(modelId, card) {
+  const body = instanceBody(modelId, card.querySelector(".instance-engine").value,
+    card.querySelector(".instance-role").value);
   return withBusy(modelId, "create", async (ui) => {
     ui.error = "";
-    await requestJSON("POST", "/instances", { model: modelId }).catch((err) => { ui.error = err.message; });
+    await requestJSON("POST", "/instances", body).catch((err) => { ui.error = err.message; });
     await refreshState();
   });
 }
@@ -385,11 +427,18 @@ function placementsBlock(ui) {
 function createModelCard(id) {
   const preview = el("button", { type: "button", className: "preview-placements" }, "Preview placements");
   const create = el("button", { type: "button", className: "create-instance" }, "Create instance");
-  preview.addEventListener("click", () => previewPlacements(id));
-  create.addEventListener("click", () => createInstance(id));
-  return el("article", { className: "model-card panel", "data-model-id": id },
+  const engine = el("select", { className: "instance-engine", "aria-label": `engine for ${id}` });
+  const role = el("select", { className: "instance-role", "aria-label": `role for ${id}` },
+    INSTANCE_ROLES.map((r) => el("option", { value: r }, r)));
+  const card = el("article", { className: "model-card panel", "data-model-id": id },
     el("h3", { className: "model-id" }, id), el("div", { className: "model-body" }),
-    el("div", { className: "actions" }, preview, create), el("div", { className: "model-extra" }));
+    el("div", { className: "actions" }, preview,
+      el("label", { className: "instance-option" }, "engine ", engine),
+      el("label", { className: "instance-option" }, "role ", role), create),
+    el("div", { className: "model-extra" }));
+  preview.addEventListener("click", () => previewPlacements(id));
+  create.addEventListener("click", () => createInstance(id, card));
+  return card;
 }
 
 function fillModelCard(card, model, instances, download) {
@@ -397,6 +446,7 @@ function fillModelCard(card, model, instances, download) {
   const quant = [model.dtype, model.quantization].filter(Boolean).join(" / ");
   card.querySelector(".preview-placements").disabled = !!ui.busy.preview;
   card.querySelector(".create-instance").disabled = !!ui.busy.create;
+  fillSelect(card.querySelector(".instance-engine"), ["", ...state.engines], ["auto", ...state.engines]);
   card.querySelector(".model-body").replaceChildren(...[
     facts([["Architecture", model.architecture], ["Type", quant || null], ["Size", gib(model.storage_bytes)],
       ["Layers", model.num_layers], ["Engines", (model.supported_engines || []).join(", ") || null]]),
@@ -426,7 +476,8 @@ function renderModels() {
 // ---------- metrics ----------
 function fillSelect(select, values, labels = values) {
   const previous = select.value;
-  if ([...select.options].map((o) => o.value).join("\n") === values.join("\n")) return;
+  const current = [...select.options].map((o) => o.value);
+  if (current.length === values.length && current.join("\n") === values.join("\n")) return;
   select.replaceChildren(...values.map((v, i) => el("option", { value: v }, labels[i])));
   if (values.includes(previous)) select.value = previous;
 }
