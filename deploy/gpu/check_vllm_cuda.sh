@@ -14,7 +14,11 @@
 #     (the MLX side runs MLX's CPU build, which this script installs);
 #   - disaggregation: a vLLM prefill-only request hands its KV over layer by layer from CUDA pages
 #     (and a suffix from start_pos, narrowed to bf16) and an MLX engine decodes it as colocated;
-#   - the pure layout and sampling tests.
+#   - sliding-window and hybrid models: a llama with a sliding layer loads with the connector (one
+#     KV cache group) and hands its window over from CUDA pages as the ring buffer MLX decodes on
+#     from; a Qwen3-Next (gated-delta-net layers) loads without the connector, which vLLM cannot
+#     run with it, and refuses handoffs saying why;
+#   - the pure layout, sampling and layer-state tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -36,4 +40,5 @@ PYCHECK
 
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 exec timeout 600 "$PY" -m pytest -q -p no:cacheprovider --timeout 300 \
-    services/engine-worker/tests/test_vllm_pure.py services/engine-worker/tests/test_vllm_engine.py "$@"
+    services/engine-worker/tests/test_vllm_pure.py services/engine-worker/tests/test_vllm_states.py \
+    services/engine-worker/tests/test_vllm_engine.py services/engine-worker/tests/test_vllm_sliding.py "$@"

@@ -32,6 +32,16 @@ the token's chunk first, then those layers, then done, so the decoder sends the 
 while the last KV is still being written (measured: writing 540 tokens' f32 layers inside the
 forward pass held the first token back by ~0.3 s on 2 cores).
 
+Sliding-window layers: the connector is no `SupportsHMA` connector, so vLLM turns its hybrid
+KV cache manager off and gives a model one KV cache group, sliding specs promoted to full ones:
+every row of a sliding layer stays in its pages and its prompt blocks save and load like any
+other layer's. A handoff carries such a layer as its decoder's ring buffer (states.py), one
+"state" chunk written when that layer computes the export's last step, from the window's last
+rows. A model whose every layer slides keeps its sliding spec (vLLM frees pages that left the
+window), so it saves and loads no prompt blocks; its handoffs still go. A hybrid (Mamba / linear
+attention) model cannot load with this connector at all (vLLM needs its hybrid manager for it):
+the engine leaves the connector off for it (engine.py `connector_problem`).
+
 Rows move in and out of the paged cache through `paged.py` (block interiors differ per backend
 and, on CPU, per instruction set).
 """
@@ -51,17 +61,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from fleet_store.handoff import HandoffWriter
-from fleet_store.kv import (
-    KVBlobError,
-    KVBlock,
-    KVFolder,
-    WireTensor,
-    decode_block,
-    prompt_blocks,
-)
+from fleet_store.kv import KVBlobError, KVBlock, KVFolder, decode_block, prompt_blocks
 from fleet_worker.engines.vllm.paged import PagedLayout, ProbedPositions, SplitLastDim
+from fleet_worker.engines.vllm.states import (
+    from_wire,
+    narrowed,
+    to_wire,
+    window_span,
+    window_state,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,23 +83,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("fleet_worker.vllm_connector")
-
-TORCH_TO_WIRE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-WIRE_TO_TORCH = {name: dtype for dtype, name in TORCH_TO_WIRE.items()}
-
-
-def to_wire(tensor: torch.Tensor) -> WireTensor:
-    tensor = tensor.detach().contiguous().cpu()
-    data = tensor.view(torch.uint8).numpy().tobytes()
-    return WireTensor(TORCH_TO_WIRE[tensor.dtype], tuple(tensor.shape), data)
-
-
-def from_wire(tensor: WireTensor) -> torch.Tensor:
-    try:
-        dtype = WIRE_TO_TORCH[tensor.dtype]
-    except KeyError:
-        raise KVBlobError(f"dtype {tensor.dtype} cannot go into a vLLM cache") from None
-    return torch.frombuffer(bytearray(tensor.data), dtype=dtype).view(tensor.shape)
 
 
 # -- metadata: what the scheduler side tells the worker side each step ------------------------------
@@ -116,6 +110,9 @@ class ExportRows:
     slots: tuple[int, ...]
     wire_dtype: str = ""
     sample_first: bool = False  # the engine ends the handoff once the first token is sampled
+    # the request's pages, on the step that completes it: a sliding layer's window may reach back
+    # into earlier steps' rows
+    pages: tuple[int, ...] = ()
 
     @property
     def completes(self) -> bool:
@@ -156,11 +153,15 @@ class FleetKVConnector(KVConnectorBase_V1):
                 f"Fleet KV block size {self._block_size} is not a multiple of "
                 f"vLLM's block size {self._page_size}"
             )
-        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        if groups > 1:
-            raise ValueError(
-                f"Fleet's KV connector moves one full-attention KV cache group; this model has {groups}"
-            )
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        if len(groups) > 1:  # vLLM gives several only with its hybrid manager, off for this connector
+            raise ValueError(f"Fleet's KV connector moves one KV cache group; this model has {len(groups)}")
+        # Prompt blocks need every row of every layer in the pages: not so where the one group
+        # keeps a sliding spec (every layer slides, and vLLM frees what left the window).
+        spec = groups[0].kv_cache_spec if groups else None
+        self._block_io = spec is None or isinstance(spec, FullAttentionSpec)
+        if not self._block_io:
+            log.info("KV cache group of %s: no prompt blocks saved or loaded", type(spec).__name__)
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, int] = {}  # request -> leading hit tokens seen by the last match
@@ -169,14 +170,16 @@ class FleetKVConnector(KVConnectorBase_V1):
         self._exported: dict[str, int] = {}  # request -> rows handed over so far (up to)
         # worker side
         self._caches: dict[str, tuple[int, torch.Tensor]] = {}  # layer name -> (layer index, paged cache)
+        self._windows: dict[int, int] = {}  # sliding layer index -> its window, in tokens
         self._layout: PagedLayout | None = None
         # block hash -> layer -> (a copy of the block's pages, the block's slots within that copy)
         self._assembling: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._queued: list[tuple[BlockTransfer, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
         self._load_errors: set[int] = set()
         self._writers: dict[str, HandoffWriter] = {}  # handoff id -> its chunk folder
-        # handoff id -> its last step's layers, page-copied, until its first token (finish_export)
-        self._finishing: dict[str, list[tuple[ExportRows, int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # handoff id -> its last step's layers (index, window or 0), page-copied, until its first
+        # token (finish_export)
+        self._finishing: dict[str, list[tuple[ExportRows, int, int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     # -- scheduler side ----------------------------------------------------------------------------
     def _prompt_blocks(self, request: Request) -> list[tuple[str, str, int, tuple[int, ...]]]:
@@ -187,6 +190,8 @@ class FleetKVConnector(KVConnectorBase_V1):
         export = (request.kv_transfer_params or {}).get("fleet_export")
         if export is not None:
             self._exports[request.request_id] = {**export, "end": prompt_len - 1}
+        if not self._block_io:
+            return 0, False
         usable = self._prompt_blocks(request)[: (prompt_len - 1) // self._block_size]
         hit = self._folder.leading_hits(self._fingerprint, [h for h, *_ in usable]) * self._block_size
         self._hits[request.request_id] = hit
@@ -237,7 +242,8 @@ class FleetKVConnector(KVConnectorBase_V1):
         if last <= first and not (last == end and req_id not in self._exported):
             return []
         self._exported[req_id] = last
-        slots = slots_for(self._tracked[req_id].page_ids, self._page_size, first, last)
+        page_ids = self._tracked[req_id].page_ids
+        slots = slots_for(page_ids, self._page_size, first, last)
         return [
             ExportRows(
                 spec["folder"],
@@ -249,6 +255,7 @@ class FleetKVConnector(KVConnectorBase_V1):
                 slots,
                 spec.get("wire_dtype", ""),
                 bool(spec.get("sample_first", False)),
+                tuple(page_ids) if last >= end else (),
             )
         ]
 
@@ -267,7 +274,9 @@ class FleetKVConnector(KVConnectorBase_V1):
     def _completed_blocks(self, req_id: str, computed: int, scheduled: int) -> list[BlockTransfer]:
         """Prompt blocks whose last token is computed in this step (earlier rows are already paged)."""
         done = computed + scheduled
-        saves = []
+        saves: list[BlockTransfer] = []
+        if not self._block_io:
+            return saves
         for block_hash, parent, block_start, tokens in self._tracked[req_id].blocks:
             block_end = block_start + len(tokens)
             if computed < block_end <= done and not self._folder.contains(self._fingerprint, block_hash):
@@ -287,7 +296,11 @@ class FleetKVConnector(KVConnectorBase_V1):
         for name, cache in kv_caches.items():
             if cache.ndim != 4:
                 raise ValueError(f"layer {name}: KV cache of shape {tuple(cache.shape)} is not [B, H, N, 2D]")
-            self._caches[name] = (extract_layer_index(name), cache)
+            index = extract_layer_index(name)
+            self._caches[name] = (index, cache)
+            layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+            if window := getattr(layer, "sliding_window", None):  # vLLM's Attention: int or None
+                self._windows[index] = int(window)
 
     def _paged(self) -> PagedLayout:
         """The backend's block interior, found on first use (the CPU kernel's ISA is known by then)."""
@@ -353,12 +366,17 @@ class FleetKVConnector(KVConnectorBase_V1):
         if not (meta.saves or meta.exports) or layer_name not in self._caches:
             return
         layer = self._caches[layer_name][0]
+        window = self._windows.get(layer, 0)
         for rows in meta.exports:
+            if window:  # its ring buffer, once, when the export's last rows are in
+                if rows.completes and rows.end > 0:
+                    self._export_window(rows, layer, window, kv_layer)
+                continue
             if rows.last <= rows.first:
                 continue
             if rows.sample_first and rows.completes:  # written by finish_export, after the token
                 copied = self._copy_pages(kv_layer, rows.slots)
-                self._finishing.setdefault(rows.handoff_id, []).append((rows, layer, copied))
+                self._finishing.setdefault(rows.handoff_id, []).append((rows, layer, 0, copied))
             else:
                 self._export_layer(rows, layer, kv_layer)
         for transfer in meta.saves:
@@ -389,9 +407,29 @@ class FleetKVConnector(KVConnectorBase_V1):
     def _write_rows(
         self, writer: HandoffWriter, rows: ExportRows, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        if rows.wire_dtype:  # e.g. fp8 or f32 pages, narrowed or widened to what the decoder reads
-            keys, values = keys.to(WIRE_TO_TORCH[rows.wire_dtype]), values.to(WIRE_TO_TORCH[rows.wire_dtype])
+        # e.g. fp8 or f32 pages, narrowed or widened to what the decoder reads
+        keys, values = narrowed(keys, rows.wire_dtype), narrowed(values, rows.wire_dtype)
         writer.kv(rows.first, rows.last, {layer: (to_wire(keys), to_wire(values))})
+
+    def _export_window(self, rows: ExportRows, layer: int, window: int, kv_layer: torch.Tensor) -> None:
+        slots = slots_for(list(rows.pages), self._page_size, *window_span(rows.end, window))
+        if rows.sample_first:  # written by finish_export, after the token
+            copied = self._copy_pages(kv_layer, slots)
+            self._finishing.setdefault(rows.handoff_id, []).append((rows, layer, window, copied))
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=kv_layer.device)
+        self._write_window(self._writer(rows), rows, layer, window, *self._paged().gather(kv_layer, index))
+
+    @staticmethod
+    def _write_window(
+        writer: HandoffWriter,
+        rows: ExportRows,
+        layer: int,
+        window: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        writer.states(rows.end, {layer: window_state(keys, values, rows.end, window, rows.wire_dtype)})
 
     def finish_export(self, folder: str, handoff_id: str, start_pos: int, end: int, first_token: int) -> None:
         """End a `sample_first` export once its first token is sampled (-1: none to send): the
@@ -400,8 +438,12 @@ class FleetKVConnector(KVConnectorBase_V1):
         writer = self._writers.pop(handoff_id, None) or HandoffWriter(folder, handoff_id)
         if first_token >= 0:
             writer.first(first_token)
-        for rows, layer, (pages, slots) in self._finishing.pop(handoff_id, []):
-            self._write_rows(writer, rows, layer, *self._paged().gather(pages, slots))
+        for rows, layer, window, (pages, slots) in self._finishing.pop(handoff_id, []):
+            keys, values = self._paged().gather(pages, slots)
+            if window:
+                self._write_window(writer, rows, layer, window, keys, values)
+            else:
+                self._write_rows(writer, rows, layer, keys, values)
         writer.done(start_pos, end, first_token)
 
     def drop_export(self, handoff_id: str) -> None:

