@@ -141,3 +141,14 @@ def test_a_pipeline_rank_gets_the_memory_tier_and_no_kv_folder() -> None:
     assert rank == {
         "kv_block_size": 256, "kv_memory_bytes": 1 << 30, "kv_fingerprint": manifest_fingerprint(manifest),
     }  # fmt: skip
+
+
+def test_fp8_kv_pages_and_hybrid_models_get_no_connector_and_say_why() -> None:
+    from types import SimpleNamespace
+
+    from fleet_worker.engines.vllm.engine import connector_problem
+
+    plain, hybrid = SimpleNamespace(is_hybrid=False), SimpleNamespace(is_hybrid=True)
+    assert connector_problem(plain) == ""  # type: ignore[arg-type]
+    assert "not scaled fp8 pages" in connector_problem(plain, "fp8_e4m3")  # type: ignore[arg-type]
+    assert "hybrid" in connector_problem(hybrid)  # type: ignore[arg-type]

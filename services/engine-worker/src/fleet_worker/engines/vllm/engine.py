@@ -75,11 +75,16 @@ def text_config(model_dir: Path) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
-def connector_problem(model_config: ModelConfig) -> str:
+def connector_problem(model_config: ModelConfig, cache_dtype: str = "auto") -> str:
     """Why Fleet's KV connector cannot go with this model ("" when it can). vLLM turns its hybrid
     KV cache manager off for a connector that is not `SupportsHMA` (Fleet's is not: it moves one
     group), and a model with Mamba-style layers cannot start without it ("Failed to promote local
-    KV cache specs to one unified type"); sliding-window models can (one group, full pages)."""
+    KV cache specs to one unified type"); sliding-window models can (one group, full pages).
+    fp8 pages are refused: their values mean something only with each layer's k/v scales, which
+    the wire format (F32/F16/BF16 rows) does not carry, and a plain cast would be silently wrong.
+    Fleet leaves vLLM's kv_cache_dtype at "auto" (the model's dtype), so this guards a change."""
+    if cache_dtype.startswith("fp8"):
+        return f"vLLM's KV cache is {cache_dtype}: Fleet moves F32/F16/BF16 KV, not scaled fp8 pages"
     if model_config.is_hybrid:
         return (
             "vLLM cannot run a hybrid (Mamba / linear attention) model with Fleet's KV connector: "
@@ -183,7 +188,8 @@ class VllmEngine:
         # why this engine moves no KV ("" when the connector is on)
         self.kv_problem = "" if kv_dir else "the engine has no kv_dir"
         if kv_dir:
-            self.kv_problem = connector_problem(EngineArgs(**_set(args)).create_model_config())
+            engine_args = EngineArgs(**_set(args))
+            self.kv_problem = connector_problem(engine_args.create_model_config(), engine_args.kv_cache_dtype)
             if self.kv_problem:
                 log.warning("%s: %s", model_dir.name, self.kv_problem)
                 kv_dir = ""
