@@ -3,11 +3,17 @@ prompts for decoders of the same base model in other formats, with no roles set.
 
 `fleet up --engine vllm` serves SmolLM2-135M-Instruct (f32 on this CPU); the test adds an MLX 4-bit
 conversion of it (mlx_lm.convert) and the GGUF as its own model, each on its own engine, all role
-"both". A prompt over FLEET_DISAGG_MIN_TOKENS to either quantised model is routed to it and
-prefilled by the vLLM instance (calibration is off, so the token threshold decides, as on a fresh
-cluster): asserted from the route decision and the handoff's stats. KV from full-precision weights
-changes what a 4-bit decoder says a little: the answer is compared with the quantised model's own
-(colocated) run and the agreement printed; it must stay within the tolerance measured here.
+"both". A prompt over FLEET_DISAGG_MIN_TOKENS (200 here) to either quantised model is routed to it
+and prefilled by the vLLM instance (calibration is off, so the token threshold decides, as on a
+fresh cluster): asserted from the route decision and the handoff's stats.
+
+Quality: KV from the full-precision weights moves the 4-bit decoder's answer towards the full
+model's (MLX in process, a 304-token prompt, 32 teacher-forced tokens of the bf16 model's answer:
+top-1 agreement 0.781 -> 0.844, mean KL 0.239 -> 0.180; README), so its greedy tokens differ from
+its own colocated run's (8 of 16 shared in the run of 2026-12-07); the test asserts the
+split answer shares at least as long a prefix with the full model's as the 4-bit model's own does.
+The GGUF decoder runs the very weights vLLM runs (quantized there): its split answer must equal its
+own run's first MIN_SHARED_WITH_OWN tokens.
 """
 
 from __future__ import annotations
@@ -39,13 +45,19 @@ pytestmark = [
 
 FOUR_BIT = "mlx-community/SmolLM2-135M-Instruct-4bit"
 GGUF = "bartowski/SmolLM2-135M-Instruct-GGUF"
-# ~1,300 prompt tokens: over the 1,000-token threshold, unseen by any other test
-FACTS = " ".join(f"Station {n} sits {n * 11 % 53} km east of the coast." for n in range(90))
-LONG = [{"role": "user", "content": f"{FACTS} Which station sits furthest east?"}]
+# ~300 prompt tokens: over the 200-token threshold set here, unseen by any other test (MLX's 4-bit
+# prefill on this CPU takes ~0.15 s a token: its own run of a 1,300-token prompt took 198 s)
+FACTS = " ".join(f"Station {n} sits {n * 11 % 53} km east of the coast." for n in range(20))
+# each test asks its own: a prompt another one sent sits in object storage (the GGUF and the
+# safetensors share KV blocks: one model's weights), and prefilling it there pays no longer
+
+
+def long_chat(topic: str) -> list[dict]:
+    return [{"role": "user", "content": f"About {topic}: {FACTS} Which station sits furthest east?"}]
+
+
 TOKENS = 16
-# Greedy tokens of the quantised model with the f32 prefill's KV that must equal its own run's
-# (measured on this machine: see the README's disaggregation figures).
-MIN_SHARED_PREFIX = 4
+MIN_SHARED_WITH_OWN = 4  # the GGUF decoder's split answer and its own
 
 
 def convert_to_mlx_4bit(source: Path, target: Path) -> Path:
@@ -62,7 +74,8 @@ def convert_to_mlx_4bit(source: Path, target: Path) -> Path:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
     root = tmp_path_factory.mktemp("cross-model")
     env = {
-        **{k: v for k, v in os.environ.items() if k != "FLEET_DISAGG_MIN_TOKENS"},
+        **os.environ,
+        "FLEET_DISAGG_MIN_TOKENS": "200",
         "OMP_NUM_THREADS": "2",
         "FLEET_CALIBRATION": "off",  # unmeasured: the token threshold decides
         "FLEET_NODE_ENGINES": "vllm,mlx,llamacpp",
@@ -113,8 +126,8 @@ async def decided(manifest: stack.StackManifest, body: dict) -> tuple[dict, Rout
     return reply, decisions[reply["id"]], tap.chunks[reply["id"]]
 
 
-def greedy(model: str, **options) -> dict:
-    return {"model": model, "messages": LONG, "max_tokens": TOKENS, "temperature": 0, **options}
+def greedy(model: str, topic: str, **options) -> dict:
+    return {"model": model, "messages": long_chat(topic), "max_tokens": TOKENS, "temperature": 0, **options}
 
 
 def token_ids(chunks: list) -> list[int]:
@@ -146,19 +159,35 @@ def test_state_lists_the_vllm_instance_among_each_quantised_decoders_partners(cl
         assert FOUR_BIT not in [p["model_id"] for p in state["partners"][by_model[decoder]]]
 
 
+async def full_model_tokens(manifest: stack.StackManifest, topic: str) -> list[int]:
+    """The full-precision model's own answer (vLLM, prefilled where it decodes)."""
+    _, _, chunks = await decided(manifest, greedy(DEFAULT_MODEL_ID, topic, disaggregated=False))
+    return token_ids(chunks)
+
+
 @pytest.mark.parametrize(("model", "engine"), [(FOUR_BIT, "mlx"), (GGUF, "llamacpp")])
 def test_a_long_prompt_to_a_quantised_model_is_prefilled_by_vllm(cluster, model, engine) -> None:
-    split, decision, chunks = asyncio.run(decided(cluster, greedy(model)))
-    assert "prefill on vllm" in decision.reason and "uncached tokens > 1000" in decision.reason, decision
+    split, decision, chunks = asyncio.run(decided(cluster, greedy(model, engine)))
+    reason = decision.reply.reason
+    assert "prefill on vllm" in reason and "uncached tokens > 200" in reason, reason
     stats = split["generation_stats"]
     assert stats["disaggregated"] and stats["handoff"]["bytes"] > 0, stats
-    alone, alone_decision, alone_chunks = asyncio.run(decided(cluster, greedy(model, disaggregated=False)))
-    assert not alone["generation_stats"]["disaggregated"] and engine in alone_decision.reason
-    ours, theirs = token_ids(chunks), token_ids(alone_chunks)
-    shared = shared_prefix(ours, theirs)
-    print(f"{engine} decoder: {shared} of {TOKENS} greedy tokens as its own run; TTFT split "
-          f"{stats['ttft_s']:.2f} s, alone {alone['generation_stats']['ttft_s']:.2f} s")  # fmt: skip
-    assert shared >= MIN_SHARED_PREFIX, (ours, theirs)
-    if engine == "mlx":  # its KV arrives layer by layer, reported as progress before the first token
+    alone, alone_decision, alone_chunks = asyncio.run(
+        decided(cluster, greedy(model, engine, disaggregated=False))
+    )
+    assert not alone["generation_stats"]["disaggregated"] and engine in alone_decision.reply.reason
+    full = asyncio.run(full_model_tokens(cluster, engine))
+    ours, own = token_ids(chunks), token_ids(alone_chunks)
+    print(
+        f"\n{engine} decoder, {stats['prompt_tokens']} prompt tokens: split answer shares "
+        f"{shared_prefix(ours, own)} of {TOKENS} greedy tokens with its own, {shared_prefix(ours, full)} "
+        f"with the full model's (its own: {shared_prefix(own, full)}); TTFT split {stats['ttft_s']:.2f} s, "
+        f"alone {alone['generation_stats']['ttft_s']:.2f} s"
+    )
+    if engine == "mlx":
+        assert shared_prefix(ours, full) >= shared_prefix(own, full), (ours, own, full)
+        # its KV arrives layer by layer, reported as progress before the first token
         progress = [c.prefilled_tokens for c in chunks if c.prefilled_tokens and not c.token_ids]
         assert progress and progress == sorted(progress), progress
+    else:
+        assert shared_prefix(ours, own) >= MIN_SHARED_WITH_OWN, (ours, own)
