@@ -45,6 +45,17 @@ def test_vllm_on_an_h100_gets_its_grant_less_weights_and_the_grants_share_of_the
     assert card.storage_bytes + kv <= granted_bytes(card, VLLM)
 
 
+def test_the_grant_placement_recorded_sizes_the_cache():
+    card, node = recorded.LLAMA_8B, recorded.H100_BOX
+    granted = 40 * 2**30
+    options = memory_options({}, "vllm", card, node, granted=granted)
+    assert options["kv_cache_bytes"] == kv_cache_budget(card, VLLM, granted=granted)
+    assert card.storage_bytes + options["kv_cache_bytes"] <= granted
+    assert options["gpu_memory_utilization"] == round(
+        (card.storage_bytes + options["kv_cache_bytes"]) / node.gpus[0].memory_bytes, 4
+    )
+
+
 def test_vllm_on_the_spark_takes_its_share_of_the_one_pool():
     card, node = recorded.QWEN_32B, recorded.DGX_SPARK
     options = memory_options({}, "vllm", card, node)

@@ -343,3 +343,13 @@ async def test_a_model_vllm_cannot_run_fails_to_load_with_vllms_reason(
     (unknown / "config.json").write_text(json.dumps(config | {"architectures": ["NoSuchModelForCausalLM"]}))
     with pytest.raises(EngineLoadError, match="NoSuchModelForCausalLM"):
         await EngineProcess.start("vllm", unknown, {}, load_timeout_s=300)
+
+
+async def test_a_prompt_prefilled_over_several_steps_reports_its_progress(engine: Engine) -> None:
+    # a prompt no other test sends (nothing of it cached): 100 tokens, 64 a step
+    outputs = await engine.run("progress", [(13 * i) % 480 + 5 for i in range(100)])
+    progress = [o.prefilled_tokens for o in outputs if not o.token_ids and not o.finish_reason]
+    assert progress == [64]
+    first = next(i for i, o in enumerate(outputs) if o.token_ids)
+    assert all(not o.token_ids for o in outputs[:first]) and outputs[0].prefilled_tokens == 64
+    assert len(tokens(outputs)) == MAX_TOKENS

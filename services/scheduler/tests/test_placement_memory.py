@@ -106,15 +106,28 @@ def test_on_the_spark_vllm_and_llamacpp_share_the_one_pool():
     assert free_bytes(state, facts=VLLM) == free_bytes(state, facts=LLAMACPP)
     # Alone, the 72B GGUF fits (57.41 of 113.58 GiB) ...
     assert place(state, QWEN_72B_GGUF.model_id, "g1").engine == "llamacpp"
-    # ... but once vLLM took 79.34 GiB for the 32B, what is left of the same pool does not hold it.
+    # ... but once vLLM took its 79.34 GiB for the 32B and half the rest for its KV cache, what is
+    # left of the same pool does not hold it.
     vllm = place(state, QWEN_32B.model_id, "v1", engine="vllm")
     assert (vllm.engine, vllm.node_id) == ("vllm", "spark-1")
+    base = granted_bytes(QWEN_32B, VLLM)
+    assert vllm.granted_bytes == base + (free_bytes(state, facts=VLLM)["spark-1"] - base) // 2
     after = cluster(DGX_SPARK, QWEN_32B, QWEN_72B_GGUF, instances=(vllm,))
-    assert free_bytes(after, facts=LLAMACPP)["spark-1"] == DGX_SPARK.memory_available_bytes - granted_bytes(
-        QWEN_32B, VLLM
+    assert (
+        free_bytes(after, facts=LLAMACPP)["spark-1"] == DGX_SPARK.memory_available_bytes - vllm.granted_bytes
     )
-    with pytest.raises(PlacementError, match=r"needs 57\.41 GiB of unified memory, 34\.25 GiB free"):
+    with pytest.raises(PlacementError, match=r"needs 57\.41 GiB of unified memory, 17\.1\d GiB free"):
         place(after, QWEN_72B_GGUF.model_id, "g1")
+
+
+def test_vllm_alone_on_a_gpu_gets_a_kv_cache_near_its_own_default_and_leaves_half_the_rest():
+    state = cluster(H100_BOX, LLAMA_8B)
+    first = place(state, LLAMA_8B.model_id, "v1", engine="vllm")
+    kv = kv_cache_budget(LLAMA_8B, VLLM, granted=first.granted_bytes)
+    assert kv > 6 * kv_cache_budget(LLAMA_8B, VLLM)  # the weights' headroom alone: ~4 GB
+    assert 28 * GiB < kv < 33 * GiB  # vLLM's own 0.9 of 80 GB less 16 GB of weights: ~56 GB
+    second = place(cluster(H100_BOX, LLAMA_8B, instances=(first,)), LLAMA_8B.model_id, "v2", engine="vllm")
+    assert granted_bytes(LLAMA_8B, VLLM) < second.granted_bytes < first.granted_bytes
 
 
 # --- the Mac: MLX in unified memory ------------------------------------------------------------

@@ -169,6 +169,10 @@ class Instance(Frozen):
     generation: int = 0
     # The user asked for this engine: the scheduler never moves it to an engine measured faster.
     engine_pinned: bool = False
+    # What placement granted a single-node instance in its node's pool (fleet_proto.memory.grant;
+    # 0: its weights times its engine's headroom); an engine that reserves its KV cache at start
+    # (vLLM on a GPU) sizes the cache by it.
+    granted_bytes: int = 0
 
     @property
     def is_pipeline(self) -> bool:

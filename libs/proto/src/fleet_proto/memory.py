@@ -37,6 +37,11 @@ STEP_TOKENS = 2048
 # engine's fixed costs (a 135M one: 81 MB of headroom) still starts.
 MIN_KV_TOKENS = 4096
 MIN_KV_BYTES = 64 << 20
+# An engine that reserves its KV cache whole at start on a GPU (vLLM) is granted, beyond its
+# weights' headroom, this share of what its pool has free when it is placed: alone on a GPU it gets
+# a cache near what vLLM's own 0.9 gives (an 8B on an H100: ~31 GB rather than ~4 GB), and the rest
+# stays for instances placed later (an MLX model on the same unified-memory machine).
+RESERVED_FREE_SHARE = 0.5
 
 
 def memory_pool(node: NodeInfo, facts: EngineFacts) -> MemoryPool:
@@ -70,13 +75,28 @@ def granted_bytes(card: ModelCard, facts: EngineFacts, layers: int | None = None
     return share_bytes(card, card.num_layers if layers is None else layers, facts.memory_headroom)
 
 
+def grant(card: ModelCard, facts: EngineFacts, node: NodeInfo, free: int, layers: int | None = None) -> int:
+    """What placement grants an instance on `node`, whose pool has `free` bytes before it: the
+    weights times the engine's headroom, plus RESERVED_FREE_SHARE of the rest for an engine that
+    reserves its KV cache on that node's GPU."""
+    base = granted_bytes(card, facts, layers)
+    if not facts.reserves_kv_cache or node.kind not in facts.gpu_memory_on:
+        return base
+    return base + int(max(free - base, 0) * RESERVED_FREE_SHARE)
+
+
 def kv_cache_budget(
-    card: ModelCard, facts: EngineFacts, layers: int | None = None, weight_bytes: int | None = None
+    card: ModelCard,
+    facts: EngineFacts,
+    layers: int | None = None,
+    weight_bytes: int | None = None,
+    granted: int = 0,
 ) -> int:
     """The KV cache bytes of an engine that reserves its cache whole at start (vLLM): what placement
-    granted the instance, less its weights (`weight_bytes`, else their share of the staged size) and
-    one step's activations; so never more than the grant holds beside the weights, and at least
-    MIN_KV_TOKENS tokens of KV (or MIN_KV_BYTES).
+    granted the instance (`granted`, else its weights times the headroom), less its weights
+    (`weight_bytes`, else their share of the staged size) and one step's activations; so never more
+    than the grant holds beside the weights, and at least MIN_KV_TOKENS tokens of KV (or
+    MIN_KV_BYTES).
 
     The size is fixed once: vLLM's public API takes it at start (`kv_cache_memory_bytes`, or
     `gpu_memory_utilization`) and allocates every block then; it has no call that grows the cache
@@ -86,4 +106,4 @@ def kv_cache_budget(
     activations = STEP_TOKENS * card.hidden_size * ACTIVATION_BYTES_PER_TOKEN_AND_UNIT
     per_token = card.kv_bytes_per_token(4 if card.dtype == "float32" else 2) * n // max(card.num_layers, 1)
     least = max(per_token * MIN_KV_TOKENS, MIN_KV_BYTES)
-    return max(granted_bytes(card, facts, n) - weights - activations, least)
+    return max((granted or granted_bytes(card, facts, n)) - weights - activations, least)

@@ -85,6 +85,7 @@ def memory_options(
     node: NodeInfo,
     layers: int | None = None,
     dtype: str = "",
+    granted: int = 0,
 ) -> dict[str, Any]:
     """The KV cache an engine that reserves it whole at start gets from the memory placement granted
     the instance (fleet_proto.memory, the rule placement counted it by), where the engine allocates on
@@ -95,7 +96,8 @@ def memory_options(
     configured. {} elsewhere (vLLM on a CPU keeps its own small cache), and when the operator set
     `kv_cache_bytes` or `gpu_memory_utilization` (FLEET_ENGINE_OPTIONS wins). `dtype`: the weight
     format served, when it is not the card's (float32 weights of a bfloat16 card take twice its
-    bytes)."""
+    bytes). `granted`: what placement granted the instance (Instance.granted_bytes; 0: the weights'
+    headroom)."""
     facts = engine_facts(engine)
     if not facts.reserves_kv_cache or node.kind not in facts.gpu_memory_on:
         return {}
@@ -106,7 +108,7 @@ def memory_options(
     staged, served = BYTES_PER_VALUE.get(card.dtype), BYTES_PER_VALUE.get(dtype)
     if staged and served:
         weights = weights * served // staged
-    kv = kv_cache_budget(card, facts, n, weights)
+    kv = kv_cache_budget(card, facts, n, weights, granted)
     # The device's memory as vLLM sees it: the first GPU's (on a GB10 the probe reports the host's there).
     device = node.gpus[0].memory_bytes if node.gpus else node.memory_total_bytes
     share = min(max((weights + kv) / max(device, 1), 0.01), GPU_USABLE_FRACTION)

@@ -328,7 +328,8 @@ class Lifecycle:
         layers = shard.end_layer - shard.start_layer if shard is not None and instance.is_pipeline else None
         served = str(options.get(engine_spec(instance.engine).weight_option, ""))
         configured = self._engine_config.get(instance.engine, {})
-        return memory_options(configured, instance.engine, card, node, layers, served)
+        granted = 0 if instance.is_pipeline else instance.granted_bytes
+        return memory_options(configured, instance.engine, card, node, layers, served, granted)
 
     async def _warm_up(self, running: RunningInstance) -> None:
         """One 1-token generation, so the first user request does not pay for lazy initialisation."""

@@ -28,7 +28,7 @@ import msgspec
 
 from fleet_proto import Instance, InstanceStatus, ModelCard, NodeInfo, PlacementOption, Shard, State
 from fleet_proto.engines import ENGINE_FACTS, UNKNOWN_ENGINE, EngineFacts, engine_facts
-from fleet_proto.memory import MemoryPool, memory_pool, pool_bytes, share_bytes
+from fleet_proto.memory import MemoryPool, grant, memory_pool, pool_bytes, share_bytes
 from fleet_proto.speed import describe, engine_order
 from fleet_store.cards import stand_in_card, with_conventions
 
@@ -195,7 +195,10 @@ def promised_bytes(
             continue
         whole = (Shard(node_id=instance.node_id, start_layer=0, end_layer=card.num_layers),)
         facts = engine_facts(instance.engine, caps)
-        for node_id, n in memory_needed(card, instance.shards or whole, facts.memory_headroom).items():
+        needed = memory_needed(card, instance.shards or whole, facts.memory_headroom)
+        if instance.granted_bytes and not instance.is_pipeline:
+            needed = {instance.node_id: instance.granted_bytes}
+        for node_id, n in needed.items():
             key = (node_id, _pool(state, node_id, facts))
             promised[key] = promised.get(key, 0) + n
     return promised
@@ -485,8 +488,12 @@ def place(
     if best is None:
         raise PlacementError(_refusal(card, options, engines, caps, explicit=shards is not None))
     chosen = tuple(msgspec.structs.replace(s, ring_address="") for s in best.shards)
+    granted = 0
     if len(chosen) > 1:
         chosen = ring_addresses(state, chosen, avoid_ring)
+    else:
+        facts, node_id = engine_facts(best.engine, caps), chosen[0].node_id
+        granted = grant(card, facts, state.nodes[node_id], free_bytes(state, caps, facts)[node_id])
     return Instance(
         instance_id=instance_id,
         model_id=model_id,
@@ -494,6 +501,7 @@ def place(
         engine=best.engine,
         # A stand-in card does not know the layer count: no shards means all layers.
         shards=chosen if model_id in state.models else (),
+        granted_bytes=granted,
     )
 
 

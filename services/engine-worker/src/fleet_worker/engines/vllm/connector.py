@@ -124,6 +124,8 @@ class FleetConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     exports: list[ExportRows] = field(default_factory=list)
+    # request -> its tokens computed once this step has run (prefill progress, read by the engine)
+    computed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -171,6 +173,7 @@ class FleetKVConnector(KVConnectorBase_V1):
         # worker side
         self._caches: dict[str, tuple[int, torch.Tensor]] = {}  # layer name -> (layer index, paged cache)
         self._windows: dict[int, int] = {}  # sliding layer index -> its window, in tokens
+        self._computed: dict[str, int] = {}  # the last step's FleetConnectorMetadata.computed
         self._layout: PagedLayout | None = None
         # block hash -> layer -> (a copy of the block's pages, the block's slots within that copy)
         self._assembling: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -227,6 +230,8 @@ class FleetKVConnector(KVConnectorBase_V1):
             meta.loads += self._transfers(req_id, start, end)
         self._to_load.clear()
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            if req_id in computed_before:
+                meta.computed[req_id] = computed_before[req_id] + scheduled
             if req_id in computed_before and req_id in self._tracked:
                 meta.saves += self._completed_blocks(req_id, computed_before[req_id], scheduled)
                 if req_id in self._exports:
@@ -323,9 +328,15 @@ class FleetKVConnector(KVConnectorBase_V1):
         _, heads, block_size, both = cache.shape
         return ProbedPositions.probe(write, heads, block_size, both // 2, cache.dtype)
 
+    def computed_tokens(self, request_id: str) -> int:
+        """Tokens of the request computed once the last step ran (0: not in it): how far a prompt
+        that vLLM prefills over several steps (chunked prefill) has come."""
+        return self._computed.get(request_id, 0)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FleetConnectorMetadata)
+        self._computed = meta.computed
         failed: set[str] = set()
         for transfer in meta.loads:
             if transfer.request_id in failed:

@@ -1,12 +1,13 @@
 """The vLLM engine's one way to Fleet's KV connector object (connector.py).
 
 vLLM builds the connector from `kv_transfer_config` and keeps its worker-side instance to itself
-(process-global: `get_kv_transfer_group`). Three things the engine needs of Fleet's connector have
+(process-global: `get_kv_transfer_group`). Four things the engine needs of Fleet's connector have
 no call in vLLM's connector API: write the prompt blocks saved in the last step once the step's
 tokens are out (so block writes never hold a token back), end an export whose first token the
-engine sampled (the token is the engine's output, not the connector's), and forget a cancelled
-export. They go through `ConnectorLink`, the only code that reaches the connector object; it
-checks that the connector is Fleet's.
+engine sampled (the token is the engine's output, not the connector's), forget a cancelled
+export, and how far a long prompt's prefill has come (its progress lines). They go through
+`ConnectorLink`, the only code that reaches the connector object; it checks that the connector
+is Fleet's.
 """
 
 from __future__ import annotations
@@ -38,3 +39,6 @@ class ConnectorLink:
 
     def drop_export(self, handoff_id: str) -> None:
         self._connector.drop_export(handoff_id)
+
+    def computed_tokens(self, request_id: str) -> int:
+        return self._connector.computed_tokens(request_id)

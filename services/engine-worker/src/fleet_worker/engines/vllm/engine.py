@@ -117,6 +117,19 @@ class _Sequence:
     first_token_at: float = 0.0
     generated: int = 0
     fallback: str = ""  # why a handed-over KV could not be used (vLLM prefilled it all)
+    reported: int = 0  # prompt tokens its last progress output said were prefilled
+    engine_id: str = ""  # vLLM's id for it
+
+    def progress(self, computed: int) -> EngineOutput | None:
+        """A progress output when the prompt, prefilled over several steps, has come further than
+        last said (None once the first token is out, or when the step finished the prompt)."""
+        prompt = len(self.request.prompt_token_ids)
+        if self.first_token_at or self.request.export is not None or not self.reported < computed < prompt:
+            return None
+        self.reported = computed
+        return EngineOutput(
+            request_id=self.request.request_id, prompt_tokens=prompt, prefilled_tokens=computed
+        )
 
     def output(
         self, tokens: list[int], finish_reason: str = "", cached: int = 0, logprobs: tuple = ()
@@ -246,7 +259,8 @@ class VllmEngine:
                     **structured_outputs_fields(structured)
                 )
             params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-            self._engine.add_request(
+            # vLLM's own id for it (the request id made unique), as its scheduler and connector know it
+            engine_id = self._engine.add_request(
                 request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params
             )
         except Exception as error:  # vLLM's own validation: the request fails, the engine runs on
@@ -256,7 +270,9 @@ class VllmEngine:
             self._pending.append(error_output(request, describe_error(error), kind))
             return
         stop_ids = frozenset(kwargs["stop_token_ids"])
-        self._live[request.request_id] = _Sequence(request, stop_ids, time.perf_counter(), fallback=fallback)
+        self._live[request.request_id] = _Sequence(
+            request, stop_ids, time.perf_counter(), fallback=fallback, engine_id=engine_id
+        )
 
     def _import(self, request: EngineRequest) -> str:
         """Write a received handoff's full blocks where the connector loads prefix KV from; why it
@@ -310,6 +326,10 @@ class VllmEngine:
             output = self._emit(sequence, result)
             if output.token_ids or output.finish_reason:  # a prefill chunk alone says nothing
                 outputs.append(output)
+        if self._connector is not None:  # how far each long prompt's prefill has come
+            link = self._connector
+            progress = (s.progress(link.computed_tokens(s.engine_id)) for s in self._live.values())
+            outputs += [p for p in progress if p is not None]
         return outputs
 
     def _emit(self, sequence: _Sequence, result: Any) -> EngineOutput:
