@@ -61,9 +61,13 @@ def browser():
 
 
 def wait(browser, condition, timeout_s: float = WAIT_S):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(browser, timeout_s, poll_frequency=0.2).until(condition)
+    # The views re-render live (the events stream): an element found a moment ago may be gone
+    # by the time the condition reads it, which only means "look again".
+    ignored = (StaleElementReferenceException,)
+    return WebDriverWait(browser, timeout_s, poll_frequency=0.2, ignored_exceptions=ignored).until(condition)
 
 
 def css(browser, selector: str):
@@ -110,13 +114,14 @@ def test_an_instance_created_from_the_models_view_becomes_ready(gateway, browser
     role.select_by_value("both")
     card.find_element("css selector", ".create-instance").click()
     ready = f'.model-card[data-model-id="{MODEL}"] .instance[data-status="ready"]'
-    instance = wait(browser, lambda b: css(b, ready))[0]  # live: the events stream updates the view
-    assert instance.find_element("css selector", ".instance-meta").text.startswith("mlx · both")
+    # live: the events stream updates the view
+    meta = wait(browser, lambda b: [e.text for e in css(b, f"{ready} .instance-meta")])
+    assert meta[0].startswith("mlx · both"), meta
     # the worker times the engine it loaded at once, then (in the background) measures each engine's
     # quality against the model's float32 reference: both show in the card
     rows = f'.model-card[data-model-id="{MODEL}"] .measured'
-    timed = wait(browser, lambda b: css(b, rows))[0]
-    assert "tok/s" in timed.text, timed.text
+    timed = wait(browser, lambda b: [e.text for e in css(b, rows)])
+    assert "tok/s" in timed[0], timed
     wait(browser, lambda b: [r for r in css(b, rows) if "top-1" in r.text and "tok/s" in r.text], 300)
     screenshot(browser, "models")
     show(browser, "topology")
