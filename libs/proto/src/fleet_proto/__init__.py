@@ -6,6 +6,7 @@ from fleet_proto.commands import Command, CreateInstance, DeleteInstance, Delete
 from fleet_proto.common import (
     DownloadPhase,
     DownloadStatus,
+    EmbeddingFacts,
     EngineCalibration,
     EngineInfo,
     EngineQuality,
@@ -39,6 +40,7 @@ from fleet_proto.events import (
 )
 from fleet_proto.messages import (
     CancelRequest,
+    EmbedTask,
     GenerateTask,
     HandoffStats,
     NodeMetrics,
@@ -68,6 +70,8 @@ __all__ = [
     "DownloadPhase",
     "DownloadProgressed",
     "DownloadStatus",
+    "EmbedTask",
+    "EmbeddingFacts",
     "EngineCalibration",
     "EngineInfo",
     "EngineQuality",

@@ -202,6 +202,16 @@ class DownloadStatus(Frozen):
     eta_s: float = -1.0
 
 
+class EmbeddingFacts(Frozen):
+    """An embedding model's own pooling, from its sentence-transformers files (fleet_store.cards):
+    every engine that embeds it pools and normalises as this says."""
+
+    dimensions: int  # the length of its vectors
+    pooling: str = "mean"  # how token states become one vector: "mean", "cls" or "last"
+    normalize: bool = False  # vectors of unit length (a sentence-transformers Normalize module)
+    max_tokens: int = 512  # the longest input it embeds, special tokens included (max_seq_length)
+
+
 class ModelCard(Frozen):
     """What placement needs to know about a model, derived from its config.json and files."""
 
@@ -223,6 +233,8 @@ class ModelCard(Frozen):
     # packed quantized weights that only engines listing the format load ("mlx": MLX's), "" for none
     quantization_format: str = ""
     preferred_node_kinds: tuple[NodeKind, ...] = ()  # where it runs best, best first ((): anywhere)
+    # an embedding model: its instances serve embeddings only, on engines whose facts say `embeds`
+    embedding: EmbeddingFacts | None = None
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value

@@ -47,6 +47,7 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
     # its memory (fleet_proto.memory): where its weights and KV live, and how its KV cache is sized
     gpu_memory_on: tuple[NodeKind, ...] = ()  # kinds where it allocates on the GPU (else host memory)
     reserves_kv_cache: bool = False  # takes its whole KV cache at start: sized from what placement granted
+    embeds: bool = False  # serves embedding models (ModelCard.embedding), pooled as their card says
 
 
 UNKNOWN_ENGINE = EngineFacts()

@@ -81,6 +81,18 @@ class GenerateTask(Frozen, tag_field="kind", tag="generate"):
     sent_at_ns: int = 0
 
 
+class EmbedTask(Frozen, tag_field="kind", tag="embed"):
+    """Embed each input (token ids, the model's special tokens included) on an instance of an
+    embedding model; the worker answers on `fleet.tok.<request_id>` with one final chunk whose
+    `embeddings` hold a vector per input, in order."""
+
+    request_id: str
+    instance_id: str
+    inputs: tuple[tuple[int, ...], ...]
+    traceparent: str = ""  # as GenerateTask's
+    sent_at_ns: int = 0
+
+
 class HandoffStats(Frozen):
     """How a disaggregated request's prompt KV reached its decoder (in its last output)."""
 
@@ -156,6 +168,9 @@ class GenerationOutput(Frozen):
     prefilled_tokens: int = 0
     handoff: HandoffStats | None = None  # disaggregated requests, in the last output
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the sampling params ask
+    # an embedding request's final output: one vector per input, in order, each little-endian
+    # float32, pooled and normalised as the model's card says (EmbeddingFacts)
+    embeddings: tuple[bytes, ...] = ()
 
 
 class TokenChunk(GenerationOutput):
@@ -221,6 +236,7 @@ class RouteRequest(Frozen):
     disaggregate: str = "auto"
     # Nodes not to route to: the gateway re-routes a task whose worker died before taking it.
     avoid_nodes: tuple[str, ...] = ()
+    task: str = "generate"  # "embed": an EmbedTask, for an instance of an embedding model
 
 
 class RouteReply(Frozen):

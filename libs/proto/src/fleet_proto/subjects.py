@@ -14,6 +14,7 @@ from fleet_proto.commands import COMMAND_TYPES
 from fleet_proto.events import EVENT_TYPES
 from fleet_proto.messages import (
     CancelRequest,
+    EmbedTask,
     GenerateTask,
     NodeMetrics,
     PlacementsReply,
@@ -183,10 +184,10 @@ CHANNELS: tuple[Channel, ...] = (
     ),
     Channel(
         subject=TASK_SUBJECT,
-        messages=(GenerateTask,),
+        messages=(GenerateTask, EmbedTask),
         retention=Retention.WORK_QUEUE,
         stream=TASK_STREAM.name,
-        description="Generation tasks for one worker (token ids in, token ids out).",
+        description="Generation and embedding tasks for one worker (token ids in, tokens or vectors out).",
     ),
     Channel(
         subject=TOKEN_SUBJECT,

@@ -3,9 +3,12 @@
 from fleet_store.buckets import ALL_BUCKETS, KV_BUCKET, MODELS_BUCKET, ensure_buckets
 from fleet_store.cards import (
     CARD_TEXT_FILES,
+    ST_MODULES,
     CardError,
     base_model_name,
+    embedding_facts,
     model_card,
+    pooling_config_path,
     publisher_of,
 )
 from fleet_store.client import SHA256_METADATA, ObjectInfo, ObjectStore, S3Settings
@@ -39,6 +42,7 @@ __all__ = [
     "KV_BUCKET",
     "MODELS_BUCKET",
     "SHA256_METADATA",
+    "ST_MODULES",
     "CardError",
     "FetchResult",
     "IntegrityError",
@@ -56,6 +60,7 @@ __all__ = [
     "abandon_stale_uploads",
     "base_model_name",
     "build_manifest",
+    "embedding_facts",
     "ensure_buckets",
     "fetch_model",
     "file_key",
@@ -63,6 +68,7 @@ __all__ = [
     "manifest_key",
     "model_card",
     "model_prefix",
+    "pooling_config_path",
     "publisher_of",
     "put_file_resumable",
     "sha256_file",

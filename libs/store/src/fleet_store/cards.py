@@ -15,12 +15,16 @@ from typing import Any
 
 import msgspec
 
-from fleet_proto import ModelCard, NodeKind
+from fleet_proto import EmbeddingFacts, ModelCard, NodeKind
+from fleet_proto.engines import ENGINE_FACTS
 from fleet_store.manifest import ManifestFile, ModelManifest
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-CARD_TEXT_FILES: tuple[str, ...] = (TOKENIZER_CONFIG, SAFETENSORS_INDEX)
+# a sentence-transformers model's modules, pooling and input length (an embedding model's card)
+ST_MODULES = "modules.json"
+ST_CONFIG = "sentence_bert_config.json"
+CARD_TEXT_FILES: tuple[str, ...] = (TOKENIZER_CONFIG, SAFETENSORS_INDEX, ST_MODULES, ST_CONFIG)
 """Files whose text makes a card more exact; pass those the manifest lists as `files_text`."""
 
 DEFAULT_DTYPE = "bfloat16"
@@ -254,6 +258,56 @@ def _has_chat_template(model_id: str, paths: set[str], files_text: Mapping[str, 
 # --- the card ----------------------------------------------------------------------------------
 
 
+_POOLING_MODES = (
+    ("pooling_mode_cls_token", "cls"),
+    ("pooling_mode_mean_tokens", "mean"),
+    ("pooling_mode_lasttoken", "last"),
+)
+
+
+def embedding_facts(
+    model_id: str, config: Mapping[str, Any], texts: Mapping[str, str]
+) -> EmbeddingFacts | None:
+    """An embedding model's pooling, from its sentence-transformers files (modules.json names a
+    Pooling module whose folder's config.json says how; a Normalize module makes unit vectors);
+    None when the folder is no sentence-transformers model. `texts` maps those files' paths to
+    their text: ST_MODULES, ST_CONFIG and the Pooling module's config (`pooling_config_path`)."""
+    if ST_MODULES not in texts:
+        return None
+    modules = json.loads(texts[ST_MODULES])
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", "")) for m in modules}
+    if "Pooling" not in kinds:
+        raise CardError(f"{model_id}: modules.json names no Pooling module")
+    pooling_path = f"{kinds['Pooling']}/config.json"
+    if pooling_path not in texts:
+        raise CardError(f"{model_id}: the Pooling module has no {pooling_path}")
+    pooling = json.loads(texts[pooling_path])
+    modes = [name for key, name in _POOLING_MODES if pooling.get(key)]
+    if len(modes) != 1:
+        raise CardError(
+            f"{model_id}: Fleet pools by one of cls, mean or last token; {pooling_path} asks otherwise"
+        )
+    hidden = config.get("hidden_size")
+    dimensions = pooling.get("word_embedding_dimension") or hidden
+    st_config = json.loads(texts.get(ST_CONFIG) or "{}")
+    positions = config.get("max_position_embeddings")
+    max_tokens = st_config.get("max_seq_length") or positions or 512
+    if not isinstance(dimensions, int) or not isinstance(max_tokens, int):
+        raise CardError(f"{model_id}: no embedding dimension or input length in its config")
+    if isinstance(positions, int):
+        max_tokens = min(max_tokens, positions)
+    return EmbeddingFacts(
+        dimensions=dimensions, pooling=modes[0], normalize="Normalize" in kinds, max_tokens=max_tokens
+    )
+
+
+def pooling_config_path(modules_json: str) -> str:
+    """The path of the Pooling module's config.json that modules.json names ("" for none)."""
+    modules = json.loads(modules_json)
+    paths = [str(m.get("path", "")) for m in modules if str(m.get("type", "")).endswith(".Pooling")]
+    return f"{paths[0]}/config.json" if paths else ""
+
+
 def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = None) -> ModelCard:
     """The card of a staged model, from its config.json, its file list and optionally files' text.
 
@@ -284,6 +338,10 @@ def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = N
     publisher = publisher_of(model_id)
     quantization = _quantization(config, publisher)
     paths = {file.path for file in manifest.files}
+    embedding = embedding_facts(model_id, config, texts)
+    engines = _supported_engines(quantization, paths)
+    if embedding is not None:  # pooled by the engines that embed
+        engines = tuple(name for name in engines if ENGINE_FACTS[name].embeds)
     card = ModelCard(
         model_id=model_id,
         architecture=architecture,
@@ -298,6 +356,7 @@ def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = N
         base_model=_base_model(model_id, config),
         has_tokenizer="tokenizer.json" in paths,
         has_chat_template=_has_chat_template(model_id, paths, texts),
-        supported_engines=_supported_engines(quantization, paths),
+        supported_engines=engines,
+        embedding=embedding,
     )
     return with_conventions(card)

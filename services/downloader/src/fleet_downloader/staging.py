@@ -19,12 +19,14 @@ from fleet_store import (
     CARD_TEXT_FILES,
     DEFAULT_REVISION,
     MODELS_BUCKET,
+    ST_MODULES,
     ModelManifest,
     ObjectStore,
     file_key,
     load_manifest,
     manifest_key,
     model_card,
+    pooling_config_path,
     sha256_file,
     stage_folder,
 )
@@ -123,15 +125,18 @@ def staged_card(store: ObjectStore, manifest: ModelManifest, folder: Path | None
     Raises fleet_store.CardError when the model's config.json does not describe a usable model.
     """
     listed = {file.path for file in manifest.files}
-    texts: dict[str, str] = {}
-    for name in CARD_TEXT_FILES:
-        if name not in listed:
-            continue
+
+    def read(name: str) -> str:
         if folder is not None:
             data = (folder / name).read_bytes()
         else:
             data = store.get_bytes(MODELS_BUCKET, file_key(manifest.model_id, manifest.revision, name))
-        texts[name] = data.decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors="replace")
+
+    texts = {name: read(name) for name in CARD_TEXT_FILES if name in listed}
+    pooling = pooling_config_path(texts[ST_MODULES]) if ST_MODULES in texts else ""
+    if pooling in listed:  # a sentence-transformers model: its Pooling module's config
+        texts[pooling] = read(pooling)
     return model_card(manifest, texts)
 
 

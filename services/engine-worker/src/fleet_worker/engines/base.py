@@ -70,6 +70,10 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams = SamplingParams()
     export: KVExport | None = None
     kv_import: KVImport | None = None
+    # An embedding request (engines built from EngineSpec.embedder): each input is pooled into one
+    # vector, nothing is generated; prompt_token_ids is empty. Its one final output carries the
+    # vectors (GenerationOutput.embeddings) and the inputs' tokens as prompt_tokens.
+    embed_inputs: tuple[tuple[int, ...], ...] = ()
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -183,6 +187,9 @@ class EngineSpec:
     # Bumped when the way Fleet runs the engine changes its speed: the version a node reports (and
     # keys its calibrations by) gains "+fleet<N>", so nodes measure it again.
     revision: int = 0
+    # "module:Class" built instead of `target` for an embedding model (ModelCard.embedding): an
+    # Engine that takes only embedding requests (EngineRequest.embed_inputs); "" when it embeds none.
+    embedder: str = ""
 
     @property
     def prefill_progress(self) -> bool:
@@ -250,16 +257,22 @@ def load_engine(
     model_dir: Path,
     on_load_progress: LoadProgress | None = None,
     on_prefill_progress: PrefillProgress | None = None,
+    embedding: bool = False,
     **options: object,
 ) -> Engine:
-    """Import and construct an engine; meant for the engine's own process (it sets environment)."""
+    """Import and construct an engine (its embedder for an embedding model); meant for the
+    engine's own process (it sets environment)."""
     spec = engine_spec(name)
+    if embedding and not spec.embedder:
+        raise UnknownEngineError(f"engine {name!r} serves no embedding models")
     for key, value in spec.environment.items():
         os.environ.setdefault(key, value)
     if spec.before_import is not None:
         spec.before_import()
-    module_name, class_name = spec.target.split(":")
+    module_name, class_name = (spec.embedder if embedding else spec.target).split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
+    if embedding:
+        return engine_class(model_dir, on_load_progress=on_load_progress, **options)
     if spec.prefill_progress and on_prefill_progress is not None:
         options["on_prefill_progress"] = on_prefill_progress
     return engine_class(model_dir, on_load_progress=on_load_progress, **options)
