@@ -54,7 +54,9 @@ from loadgen import auth_headers
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TRANSPORTS = ("stream", "staged")
 BENCH_PATH = "/bench/chat/completions"
-PROBE_UNITS = (10, 110)  # chat sizes whose token counts fix the line that sizes a live run's prompts
+# chat sizes whose token counts fix the line that sizes a live run's prompts: short, as a slow
+# decoder prefills them itself (MLX 4-bit on a CPU: ~0.15 s a token)
+PROBE_UNITS = (4, 24)
 
 
 def disagg_modes(batch_only: bool = False, transports: Sequence[str] = TRANSPORTS) -> dict[str, dict]:
@@ -438,7 +440,8 @@ async def read_state(gateway: str) -> dict:
 async def probe_count(gateway: str, model: str) -> Callable[[int], float]:
     """Two colocated max_tokens=1 requests measure how many prompt tokens a chat of n units takes."""
     probes = {}
-    async with aiohttp.ClientSession(headers=auth_headers()) as session:
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
         for units in PROBE_UNITS:
             body = {"model": model, "messages": chat(units, f"probe {secrets.token_hex(4)}:"),
                     "max_tokens": 1, "temperature": 0, "disaggregated": False}  # fmt: skip

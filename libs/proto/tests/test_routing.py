@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from fleet_proto import (
+    EmbeddingFacts,
     EngineCalibration,
     EngineInfo,
     Instance,
@@ -19,6 +20,7 @@ from fleet_proto import (
     Shard,
     replay,
 )
+from fleet_proto.messages import EMBED_TASK
 from fleet_proto.routing import route
 
 pytestmark = pytest.mark.unit
@@ -256,3 +258,30 @@ def test_the_prefill_partner_measured_fastest_at_prefill_is_preferred_over_vllm(
         *ready("d", role="decode", engine="mlx"),
     )
     assert route(state, LONG, {}).prefill_instance_id == "m2"
+
+
+def embedding_card(model_id: str, base: str = "") -> ModelStaged:
+    staged = card(model_id, base or model_id)
+    facts = EmbeddingFacts(dimensions=384, pooling="mean", normalize=True, max_tokens=256)
+    return ModelStaged(card=msgspec.structs.replace(staged.card, embedding=facts))
+
+
+def test_an_embedding_request_goes_to_the_least_loaded_instance_of_the_embedding_model():
+    state = state_of(embedding_card("e"), *ready("a", "e"), *ready("b", "e"), card("m", "m"), *ready("c"))
+    embed = RouteRequest(request_id="r", model_id="e", prompt_tokens=40, task=EMBED_TASK)
+    reply = route(state, embed, {"a": 300, "b": 20, "c": 0})
+    assert (reply.instance_id, reply.prefill_instance_id) == ("b", "")
+    assert "least loaded of 2 ready" in reply.reason
+
+
+def test_embeddings_and_generation_never_cross():
+    # a chat model of the same base as the embedding model does not serve its embeddings, nor the reverse
+    state = state_of(embedding_card("e", base="x"), card("m", "x"), *ready("c"))
+    embed = RouteRequest(request_id="r", model_id="e", prompt_tokens=4, task=EMBED_TASK)
+    assert route(state, embed, {}).error == "no ready instance of e"
+    assert route(state, msgspec.structs.replace(embed, model_id="m"), {}).error == "m is no embedding model"
+    state = state_of(embedding_card("e", base="x"), *ready("a", "e"), card("m", "x"))
+    generate = RouteRequest(request_id="r", model_id="m", prompt_tokens=4)
+    assert route(state, generate, {}).error == "no ready instance of m"
+    refused = route(state, msgspec.structs.replace(generate, model_id="e"), {})
+    assert refused.error == "e is an embedding model: it serves embeddings only"

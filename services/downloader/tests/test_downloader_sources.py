@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet_downloader.defaults import DEFAULT_MODEL_SOURCE
+from fleet_downloader.defaults import DEFAULT_MODEL_SOURCE, EMBEDDING_MODEL_SOURCE
 from fleet_downloader.sources import (
     GgufFileSource,
     HubSource,
@@ -15,10 +15,15 @@ from fleet_downloader.sources import (
     PackageSource,
     SourceError,
     UnsupportedSource,
+    ZippedFolderSource,
+    check_zipped_folder,
     locate,
     parse_source,
     source_kind,
+    zipped_model_folder,
 )
+
+from .zips import fake_package, model_members, zip_of
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +113,7 @@ def test_missing_package_is_a_clear_error():
 
 
 def test_package_without_weights_is_a_clear_error():
-    with pytest.raises(SourceError, match=r"ships no \*\.gguf file and no model folder"):
+    with pytest.raises(SourceError, match=r"ships no \*\.gguf file, no model folder and no \*\.zip of one"):
         locate(parse_source("pkg:msgspec"))
 
 
@@ -135,3 +140,64 @@ def test_gguf_file_must_exist_and_be_gguf(tmp_path):
     real = tmp_path / "real.gguf"
     real.write_bytes(b"GGUF\x03\x00\x00\x00")
     assert locate(parse_source(f"gguf://{real}")) == GgufFileSource(real)
+
+
+@pytest.mark.parametrize("folder", ["", "all-MiniLM-L6-v2"])
+def test_a_zip_holds_its_model_at_the_top_level_or_in_one_folder(tmp_path, folder):
+    archive = zip_of(tmp_path / "model.zip", model_members(folder))
+    assert check_zipped_folder(archive) == ZippedFolderSource(archive, folder)
+
+
+def test_a_zips_top_level_model_wins_over_a_module_folder_with_weights_of_its_own():
+    members = [*model_members(), "2_Dense/config.json", "2_Dense/model.safetensors"]
+    assert zipped_model_folder(Path("m.zip"), members) == ""
+
+
+@pytest.mark.parametrize(
+    ("members", "message"),
+    [
+        ([*model_members("a"), *model_members("b")], r"holds 2 model folders \(a, b\)"),
+        (["config.json", "deep/er/model.safetensors"], "holds no model folder"),
+        ([*model_members("x/y")], "holds no model folder"),
+    ],
+)
+def test_a_zip_without_exactly_one_model_folder_is_refused(members, message):
+    with pytest.raises(SourceError, match=message):
+        zipped_model_folder(Path("m.zip"), members)
+
+
+@pytest.mark.parametrize("member", ["../evil.py", "m/../../evil.py", "/etc/evil", "..\\evil", "C:/evil"])
+def test_a_zip_with_members_outside_its_folder_is_refused(tmp_path, member):
+    archive = zip_of(tmp_path / "model.zip", {**model_members(), member: b"x"})
+    with pytest.raises(SourceError, match=r"refusing to extract members with absolute or '\.\.' paths"):
+        check_zipped_folder(archive)
+
+
+def test_a_file_that_is_no_zip_is_a_clear_error(tmp_path):
+    fake = tmp_path / "model.zip"
+    fake.write_bytes(b"not a zip")
+    with pytest.raises(SourceError, match="is not a readable zip archive"):
+        check_zipped_folder(fake)
+
+
+def test_a_package_that_ships_one_zipped_model_folder_is_located(tmp_path, monkeypatch):
+    archive = zip_of(tmp_path / "zip", model_members("m")).read_bytes()
+    fake_package(tmp_path / "site", "fleet-zipped", {"fleet_zipped/model.zip": archive}, monkeypatch)
+    located = locate(parse_source("pkg:fleet-zipped"))
+    assert located == ZippedFolderSource(tmp_path / "site" / "fleet_zipped" / "model.zip", "m")
+
+
+def test_a_package_that_ships_two_zips_is_a_clear_error(tmp_path, monkeypatch):
+    archive = zip_of(tmp_path / "zip", model_members()).read_bytes()
+    files = {"fleet_zips/a.zip": archive, "fleet_zips/b.zip": archive}
+    fake_package(tmp_path / "site", "fleet-zips", files, monkeypatch)
+    with pytest.raises(SourceError, match=r"ships 2 zip archives \(a\.zip, b\.zip\); extract one"):
+        locate(parse_source("pkg:fleet-zips"))
+
+
+def test_the_embedding_package_ships_its_model_as_a_zip():
+    located = locate(parse_source(EMBEDDING_MODEL_SOURCE))
+    assert isinstance(located, ZippedFolderSource)
+    assert located.path.name == "model.zip"
+    assert located.path.parent.name == "all_minilm_l6_v2"
+    assert located.folder == ""

@@ -9,9 +9,10 @@ import uuid
 import pytest
 
 from fleet_downloader.convert import ConversionError
+from fleet_downloader.defaults import EMBEDDING_MODEL_ID, EMBEDDING_MODEL_SOURCE
 from fleet_downloader.sources import SourceError
-from fleet_downloader.staging import stage_model
-from fleet_proto import DownloadPhase
+from fleet_downloader.staging import stage_model, stage_model_with_card, staged_card
+from fleet_proto import DownloadPhase, EmbeddingFacts
 from fleet_store import MODELS_BUCKET, file_key, load_manifest, manifest_key
 
 
@@ -87,3 +88,19 @@ def test_a_gguf_that_does_not_convert_says_why_and_stages_nothing(store, tmp_pat
 def test_an_invalid_model_id_is_rejected_before_any_work(store, tiny_folder, tmp_path):
     with pytest.raises(ValueError, match=r"'\.\.' segment"):
         stage_model(store, "../escape", f"file://{tiny_folder}", work_dir=tmp_path)
+
+
+def test_the_zipped_embedding_model_is_staged_with_its_modules_and_embedding_card(store, tmp_path):
+    model_id = f"{EMBEDDING_MODEL_ID}-{uuid.uuid4().hex[:8]}"
+    manifest, card = stage_model_with_card(
+        store, model_id, EMBEDDING_MODEL_SOURCE, work_dir=tmp_path / "work"
+    )
+
+    paths = {file.path for file in manifest.files}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "modules.json"} <= paths
+    assert {"1_Pooling/config.json", "sentence_bert_config.json"} <= paths
+    assert manifest.source == EMBEDDING_MODEL_SOURCE
+    minilm = EmbeddingFacts(dimensions=384, pooling="mean", normalize=True, max_tokens=256)
+    assert card.embedding == minilm
+    # the card read from the store alone (how a restarted downloader or a worker reads it) agrees
+    assert staged_card(store, manifest).embedding == minilm

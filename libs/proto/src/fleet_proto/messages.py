@@ -66,7 +66,11 @@ class PrefillPlan(Frozen):
     overlap: bool = True
 
 
-class GenerateTask(Frozen, tag_field="kind", tag="generate"):
+GENERATE_TASK = "generate"
+EMBED_TASK = "embed"
+
+
+class GenerateTask(Frozen, tag_field="kind", tag=GENERATE_TASK):
     request_id: str
     instance_id: str
     prompt_token_ids: tuple[int, ...]
@@ -81,7 +85,7 @@ class GenerateTask(Frozen, tag_field="kind", tag="generate"):
     sent_at_ns: int = 0
 
 
-class EmbedTask(Frozen, tag_field="kind", tag="embed"):
+class EmbedTask(Frozen, tag_field="kind", tag=EMBED_TASK):
     """Embed each input (token ids, the model's special tokens included) on an instance of an
     embedding model; the worker answers on `fleet.tok.<request_id>` with one final chunk whose
     `embeddings` hold a vector per input, in order."""
@@ -91,6 +95,16 @@ class EmbedTask(Frozen, tag_field="kind", tag="embed"):
     inputs: tuple[tuple[int, ...], ...]
     traceparent: str = ""  # as GenerateTask's
     sent_at_ns: int = 0
+
+
+WorkerTask = GenerateTask | EmbedTask  # what `fleet.task.<worker_id>` carries
+
+
+def task_tokens(task: WorkerTask) -> int:
+    """The tokens a task brings to its engine: the prompt, or every input's."""
+    if isinstance(task, EmbedTask):
+        return sum(len(i) for i in task.inputs)
+    return len(task.prompt_token_ids)
 
 
 class HandoffStats(Frozen):
@@ -193,6 +207,8 @@ class RequestStats(Frozen):
     total_s: float
     finish_reason: str
     prefix_cached_tokens: int = 0
+    task: str = GENERATE_TASK  # RouteRequest.task
+    inputs: int = 0  # an embedding request's inputs (vectors returned)
 
 
 class CancelRequest(Frozen):
@@ -236,7 +252,7 @@ class RouteRequest(Frozen):
     disaggregate: str = "auto"
     # Nodes not to route to: the gateway re-routes a task whose worker died before taking it.
     avoid_nodes: tuple[str, ...] = ()
-    task: str = "generate"  # "embed": an EmbedTask, for an instance of an embedding model
+    task: str = GENERATE_TASK  # or EMBED_TASK: an EmbedTask, for an instance of an embedding model
 
 
 class RouteReply(Frozen):

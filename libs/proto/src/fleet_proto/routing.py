@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 
 from fleet_proto.common import EngineCalibration, Instance, InstanceStatus
 from fleet_proto.engines import EngineFacts, engine_facts
-from fleet_proto.messages import RouteReply, RouteRequest
+from fleet_proto.messages import EMBED_TASK, RouteReply, RouteRequest
 from fleet_proto.partners import (
     DECODE_ROLES,
     DEFAULT_DISAGG_MIN_TOKENS,
@@ -47,17 +47,37 @@ from fleet_proto.partners import (
 from fleet_proto.speed import calibration
 from fleet_proto.state import State
 
-__all__ = ["DEFAULT_DISAGG_MIN_TOKENS", "base_model", "ready_instances", "route"]
+__all__ = ["DEFAULT_DISAGG_MIN_TOKENS", "EMBED_TASK", "base_model", "ready_instances", "route"]
+
+
+def embeds(state: State, model_id: str) -> bool:
+    """An embedding model: its instances serve embeddings only (ModelCard.embedding)."""
+    card = state.models.get(model_id)
+    return card is not None and card.embedding is not None
 
 
 def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE_ROLES) -> list[Instance]:
-    """Ready instances of the model, or failing that of another model with the same base model."""
+    """Ready instances of the model, or failing that of another model with the same base model and
+    the same kind (an embedding model's instances never generate, nor a chat model's embed)."""
     ready = [i for i in state.instances.values() if i.status == InstanceStatus.READY and i.role in roles]
     exact = [i for i in ready if i.model_id == model_id]
     if exact:
         return exact
-    base = base_model(state, model_id)
-    return [i for i in ready if base_model(state, i.model_id) == base]
+    base, kind = base_model(state, model_id), embeds(state, model_id)
+    return [i for i in ready if base_model(state, i.model_id) == base and embeds(state, i.model_id) == kind]
+
+
+def route_embedding(state: State, request: RouteRequest, load: Mapping[str, int]) -> RouteReply:
+    """An embedding request goes to the least loaded ready instance of the embedding model (no
+    prefix cache, no split: its inputs are short and embedded whole)."""
+    if not embeds(state, request.model_id):
+        return RouteReply(error=f"{request.model_id} is no embedding model")
+    ready = [i for i in ready_instances(state, request.model_id) if i.node_id not in request.avoid_nodes]
+    if not ready:
+        return RouteReply(error=f"no ready instance of {request.model_id}")
+    chosen = min(ready, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
+    reason = f"least loaded of {len(ready)} ready (load {load.get(chosen.instance_id, 0)} tokens)"
+    return RouteReply(instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=reason)
 
 
 def instance_calibration(state: State, instance: Instance) -> EngineCalibration | None:
@@ -93,6 +113,10 @@ def route(
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
 ) -> RouteReply:
     """cached: node id -> leading prompt tokens whose KV that node holds in memory."""
+    if request.task == EMBED_TASK:
+        return route_embedding(state, request, load)
+    if embeds(state, request.model_id):
+        return RouteReply(error=f"{request.model_id} is an embedding model: it serves embeddings only")
     cached = cached or {}
     candidates = [i for i in ready_instances(state, request.model_id) if i.node_id not in request.avoid_nodes]
     if not candidates:

@@ -4,7 +4,7 @@
 Hub repos have no local files until they are downloaded: staging.local_model_folder fetches them
 with fleet_downloader.hub.download_repo.
 
-    pkg:<python-package>        a package that ships weights (one *.gguf, or a HF folder)
+    pkg:<python-package>        a package that ships weights (one *.gguf, a HF folder, or one *.zip of one)
     gguf:///abs/path/file.gguf  one local GGUF file
     file:///abs/dir             a local Hugging Face folder (config.json + *.safetensors)
     org/name[@revision]         a Hugging Face hub repo (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE apply)
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from pathlib import Path, PurePosixPath
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from urllib.parse import unquote, urlsplit
 
 import msgspec
@@ -47,13 +49,20 @@ class LocalFolderSource(msgspec.Struct, frozen=True):
     path: Path
 
 
+class ZippedFolderSource(msgspec.Struct, frozen=True):
+    """A HF model folder inside a zip archive; staging extracts it before uploading."""
+
+    path: Path  # the archive
+    folder: str = ""  # the model folder's path inside the archive; "" = its top level
+
+
 class HubSource(msgspec.Struct, frozen=True):
     repo_id: str
     revision: str = ""  # "" = the repo's default branch
 
 
 Source = PackageSource | GgufFileSource | LocalFolderSource | HubSource
-LocalSource = GgufFileSource | LocalFolderSource
+LocalSource = GgufFileSource | LocalFolderSource | ZippedFolderSource
 
 
 # --- parsing (pure) ----------------------------------------------------------------------------
@@ -146,8 +155,54 @@ def check_gguf_file(path: Path) -> GgufFileSource:
     return GgufFileSource(path)
 
 
+def _escapes(member: str) -> bool:
+    """Whether extracting this archive member could write outside the extraction folder."""
+    return (
+        member.startswith("/")
+        or "\\" in member
+        or bool(PureWindowsPath(member).drive)
+        or ".." in PurePosixPath(member).parts
+    )
+
+
+def zipped_model_folder(archive: Path, members: Iterable[str]) -> str:
+    """The HF model folder among an archive's members: its top level, else its one folder that holds
+    config.json and *.safetensors ("" for the top level). SourceError for unsafe member paths."""
+    names = list(members)
+    unsafe = [name for name in names if _escapes(name)]
+    if unsafe:
+        raise SourceError(f"{archive}: refusing to extract members with absolute or '..' paths: {unsafe[:3]}")
+    paths = [PurePosixPath(name) for name in names if not name.endswith("/")]
+    models = {path.parent for path in paths if path.name == "config.json"} & {
+        path.parent for path in paths if path.suffix == ".safetensors"
+    }
+    # the top level wins: a sentence-transformers module folder (2_Dense/) may hold weights of its own
+    if PurePosixPath(".") in models:
+        return ""
+    folders = sorted(str(folder) for folder in models if len(folder.parts) == 1)
+    if len(folders) > 1:
+        listed = ", ".join(folders)
+        raise SourceError(f"{archive}: holds {len(folders)} model folders ({listed}); extract one")
+    if not folders:
+        raise SourceError(
+            f"{archive}: holds no model folder (config.json + *.safetensors) at its top level or one below"
+        )
+    return folders[0]
+
+
+def check_zipped_folder(archive: Path) -> ZippedFolderSource:
+    """archive, if it is a zip holding a Hugging Face model folder that extracts safely."""
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            members = zipped.namelist()
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise SourceError(f"{archive} is not a readable zip archive: {exc}") from None
+    return ZippedFolderSource(archive, zipped_model_folder(archive, members))
+
+
 def package_weights(package: str) -> LocalSource:
-    """The weights an installed package ships: its single *.gguf file, else its one HF folder."""
+    """The weights an installed package ships: its single *.gguf file, else its one HF folder, else
+    its one *.zip of a HF folder."""
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
@@ -167,7 +222,15 @@ def package_weights(package: str) -> LocalSource:
         raise SourceError(f"pkg:{package}: ships {len(folders)} model folders; name one with file://")
     if folders:
         return check_hf_folder(folders[0])
-    raise SourceError(f"pkg:{package}: the package ships no *.gguf file and no model folder")
+    zips = sorted(path for path in files if path.suffix.lower() == ".zip")
+    if len(zips) > 1:
+        names = ", ".join(path.name for path in zips)
+        raise SourceError(
+            f"pkg:{package}: ships {len(zips)} zip archives ({names}); extract one and name it with file://"
+        )
+    if zips:
+        return check_zipped_folder(zips[0])
+    raise SourceError(f"pkg:{package}: the package ships no *.gguf file, no model folder and no *.zip of one")
 
 
 def locate(source: Source) -> LocalSource:

@@ -8,12 +8,22 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 
 from fleet_downloader.convert import CONVERTER_VERSION, convert_in_child
 from fleet_downloader.hub import download_repo, hub_folder
 from fleet_downloader.progress import StageProgress
-from fleet_downloader.sources import GgufFileSource, HubSource, LocalFolderSource, locate, parse_source
+from fleet_downloader.sources import (
+    GgufFileSource,
+    HubSource,
+    LocalFolderSource,
+    ZippedFolderSource,
+    locate,
+    parse_source,
+    zipped_model_folder,
+)
 from fleet_proto import DownloadPhase, ModelCard
 from fleet_store import (
     CARD_TEXT_FILES,
@@ -58,10 +68,47 @@ def keep_gguf(gguf: Path, folder: Path) -> None:
     os.replace(partial, target)
 
 
+def unzipped_folder(archive: Path, work_dir: Path) -> Path:
+    """Where this archive is extracted: keyed by its content, so a changed archive is extracted anew."""
+    return work_dir / "unzipped" / sha256_file(archive)[:24]
+
+
+def extract_zip(archive: Path, out_dir: Path) -> None:
+    """Extract archive into out_dir through a temporary folder renamed into place when complete, so
+    out_dir exists only whole."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".extracting"))
+    building.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            zipped_model_folder(archive, zipped.namelist())  # checked again: the file may have changed
+            zipped.extractall(building)
+        try:
+            os.rename(building, out_dir)
+        except OSError:
+            if not out_dir.is_dir():
+                raise
+            # a concurrent extraction of the same content finished first: its files are these
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+
+
+def unzipped_model_folder(zipped: ZippedFolderSource, work_dir: Path) -> Path:
+    """The model folder of a zipped source, extracted under work_dir once."""
+    out_dir = unzipped_folder(zipped.path, work_dir)
+    if out_dir.is_dir():
+        log.info("using %s, extracted earlier from %s", out_dir, zipped.path)
+    else:
+        log.info("extracting %s to %s", zipped.path, out_dir)
+        extract_zip(zipped.path, out_dir)
+    return out_dir / zipped.folder
+
+
 def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _ignore) -> Path:
     """A local HF folder with the model `source` names.
 
-    A hub repo is downloaded into work_dir/hub/..., a GGUF converted once (cached under work_dir).
+    A hub repo is downloaded into work_dir/hub/..., a GGUF converted and a zip extracted once (cached
+    under work_dir).
     """
     parsed = parse_source(source)
     if isinstance(parsed, HubSource):
@@ -70,6 +117,8 @@ def local_model_folder(source: str, work_dir: Path, progress: StageProgress = _i
     match located:
         case LocalFolderSource(path):
             return path
+        case ZippedFolderSource():
+            return unzipped_model_folder(located, work_dir)
         case GgufFileSource(path):
             size = path.stat().st_size
             progress(DownloadPhase.CONVERTING, 0, size)

@@ -78,7 +78,9 @@ def measured(
     )
 
 
-def warm_up_request(request_id: str) -> EngineRequest:
+def warm_up_request(request_id: str, embedding: bool = False) -> EngineRequest:
+    if embedding:
+        return EngineRequest(request_id=request_id, prompt_token_ids=(), embed_inputs=((0, 1),))
     return EngineRequest(request_id=request_id, prompt_token_ids=(0,), sampling=SamplingParams(max_tokens=1))
 
 

@@ -13,7 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fleet_bus import Bus, Delivery, publish_chunk
-from fleet_proto import GenerateTask, TokenChunk
+from fleet_proto import TokenChunk
+from fleet_proto.messages import WorkerTask
 
 # A task waits in the queue behind the ones before it (one fetch each) and the KV prefetch takes a
 # few object-store round trips: seconds at worst. Every worker hears every cancel (fleet.cancel.*),
@@ -57,14 +58,14 @@ class RecentCancels:
 def honouring_early_cancels(
     bus: Bus,
     cancels: RecentCancels,
-    on_task: Callable[[GenerateTask, Delivery], Awaitable[None]],
+    on_task: Callable[[WorkerTask, Delivery], Awaitable[None]],
     cancel: Callable[[str], None],
-) -> Callable[[GenerateTask, Delivery], Awaitable[None]]:
+) -> Callable[[WorkerTask, Delivery], Awaitable[None]]:
     """`on_task` for tasks whose cancel may already have come: one cancelled while queued is never
     started (its "cancelled" chunk ends the stream, should anyone still read it); one cancelled
     while `on_task` ran is cancelled again once the engine has it."""
 
-    async def handle(task: GenerateTask, delivery: Delivery) -> None:
+    async def handle(task: WorkerTask, delivery: Delivery) -> None:
         if task.request_id in cancels:
             await publish_chunk(bus, TokenChunk(request_id=task.request_id, finish_reason="cancelled"))
             return

@@ -86,7 +86,7 @@ class DecodeSide:
     async def receive(self, running: RunningInstance, stream: RequestStream, submit: Submit) -> None:
         """The prompt's KV from the planned prefill instance, then the request to the engine."""
         task, trace = stream.task, stream.trace
-        assert task.prefill is not None
+        assert isinstance(task, GenerateTask) and task.prefill is not None  # receives() said so
         engine = running.instance.engine
         # the prefill may sample the first token, sent from here the moment it arrives, ahead of
         # the last of the KV (not when a log-probability is asked for: it would come without it)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fleet_bus import Delivery, publish_chunk
-from fleet_proto import GenerateTask, ModelCard, PrefillRequest, State, TokenChunk
+from fleet_proto import ModelCard, PrefillRequest, State, TokenChunk
+from fleet_proto.messages import WorkerTask
 from fleet_runtime.service import ServiceContext
 from fleet_store import ObjectStore
 from fleet_worker.calibrating import Calibration, Calibrator
@@ -99,7 +100,7 @@ class InstanceManager:
         await self._lifecycle.close()
 
     # -- requests -----------------------------------------------------------------------------
-    async def on_task(self, task: GenerateTask, _: Delivery) -> None:
+    async def on_task(self, task: WorkerTask, _: Delivery) -> None:
         await self._server.on_task(task)
 
     def cancel(self, request_id: str) -> None:

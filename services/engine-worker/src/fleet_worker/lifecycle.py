@@ -246,18 +246,13 @@ class Lifecycle:
             manifest, folder = await self._files.fetch(instance, report)
             if rank == 0:
                 await self._loading_progress(iid, 0.0)
-            # A rank's KV holds only its layers: its prefix blocks stay in its memory, out of the
-            # shared tier (and of this worker's index: running.kv_fingerprint stays "").
-            shared = not instance.is_pipeline
-            options = engine_options(
-                self._engine_config, instance.engine, manifest, self._kv_settings, shared
-            )
-            weight_format = self._calibrator.served_format(instance.engine, instance.model_id, options)
-            if weight_format:
-                options[engine_spec(instance.engine).weight_option] = weight_format
-            options |= self._memory_options(instance, manifest, options)
-            if instance.is_pipeline:
-                options["pipeline"] = pipeline_options(instance, rank)
+            card = self._state().models.get(instance.model_id)
+            embedding = card is not None and card.embedding is not None
+            if embedding:  # its engine's embedder takes none of generation's options (KV, formats)
+                options: dict[str, Any] = {"embedding": True}
+                weight_format = ""
+            else:
+                options, weight_format = self._generation_options(instance, manifest, rank)
             loading = ProgressReporter(lambda fraction: self._loading_progress(iid, fraction))
             engine = await self._start_engine(
                 instance.engine,
@@ -268,7 +263,7 @@ class Lifecycle:
                 stream_interval_s=self._stream_interval_s,
             )
             await loading.flush()
-            fingerprint = options.get("kv_fingerprint", "") if shared else ""
+            fingerprint = "" if instance.is_pipeline else options.get("kv_fingerprint", "")
             running = RunningInstance(instance, engine, fingerprint, rank)
             if self._kv is not None and fingerprint:
                 kv = self._kv
@@ -278,7 +273,8 @@ class Lifecycle:
             )
             if rank == 0:
                 await self._status(iid, InstanceStatus.WARMING, 0.0)
-                await self._warm_up(running)
+                await self._warm_up(running, embedding)
+            if rank == 0 and not embedding:  # calibration measures generation
                 await self._calibrator.calibrate_loaded(
                     instance,
                     weight_format,
@@ -309,10 +305,27 @@ class Lifecycle:
         self.running[iid] = running
         if rank == 0:
             await self._event(InstanceReady(instance_id=iid))
+        if rank == 0 and not embedding:
             self._calibrator.calibrate_others_later(
                 self._state().models.get(instance.model_id), instance, folder
             )
         log.info("instance %s of %s ready (engine pid %d, rank %d)", iid, instance.model_id, engine.pid, rank)
+
+    def _generation_options(
+        self, instance: Instance, manifest: ModelManifest, rank: int
+    ) -> tuple[dict[str, Any], str]:
+        """A generating engine's options, and the weight format it serves (calibration's pick)."""
+        # A rank's KV holds only its layers: its prefix blocks stay in its memory, out of the
+        # shared tier (and of this worker's index: running.kv_fingerprint stays "").
+        shared = not instance.is_pipeline
+        options = engine_options(self._engine_config, instance.engine, manifest, self._kv_settings, shared)
+        weight_format = self._calibrator.served_format(instance.engine, instance.model_id, options)
+        if weight_format:
+            options[engine_spec(instance.engine).weight_option] = weight_format
+        options |= self._memory_options(instance, manifest, options)
+        if instance.is_pipeline:
+            options["pipeline"] = pipeline_options(instance, rank)
+        return options, weight_format
 
     def _memory_options(
         self, instance: Instance, manifest: ModelManifest, options: dict[str, Any]
@@ -331,9 +344,10 @@ class Lifecycle:
         granted = 0 if instance.is_pipeline else instance.granted_bytes
         return memory_options(configured, instance.engine, card, node, layers, served, granted)
 
-    async def _warm_up(self, running: RunningInstance) -> None:
-        """One 1-token generation, so the first user request does not pay for lazy initialisation."""
-        request = warm_up_request(f"warmup-{running.instance.instance_id}")
+    async def _warm_up(self, running: RunningInstance, embedding: bool) -> None:
+        """One 1-token generation (or one short input embedded), so the first user request does
+        not pay for lazy initialisation."""
+        request = warm_up_request(f"warmup-{running.instance.instance_id}", embedding)
         output = await self._server.run_internal(running, request, WARMUP_TIMEOUT_S)
         if output.finish_reason == "error":
             raise RuntimeError(f"warm-up failed: {output.error}")

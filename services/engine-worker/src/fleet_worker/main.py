@@ -16,7 +16,8 @@ import msgspec
 from nats.aio.msg import Msg
 
 from fleet_bus import consume_tasks
-from fleet_proto import CancelRequest, GenerateTask, ModelDeleted, NodeJoined, NodeLeft, ServiceKind
+from fleet_proto import CancelRequest, ModelDeleted, NodeJoined, NodeLeft, ServiceKind
+from fleet_proto.messages import WorkerTask
 from fleet_proto.quality import parse_budget
 from fleet_proto.subjects import ALL_CANCELS_SUBJECT, metrics_subject
 from fleet_runtime.service import ServiceContext, run
@@ -178,7 +179,7 @@ async def main(ctx: ServiceContext) -> None:
         manager.cancel(request_id)
 
     cancel_sub = await ctx.bus.nc.subscribe(ALL_CANCELS_SUBJECT, cb=on_cancel)
-    task_decoder = msgspec.json.Decoder(GenerateTask)
+    task_decoder = msgspec.json.Decoder(WorkerTask)
     ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, kv, overrides, gpus), "node-metrics")
     ctx.spawn(follow_assignments(ctx, manager), "assignments")
     ctx.spawn(kv.keep_index(), "kv-index")  # rewrites the KV index after a Redis outage

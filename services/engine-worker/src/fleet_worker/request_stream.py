@@ -15,8 +15,8 @@ from pathlib import Path
 
 import msgspec
 
-from fleet_proto import GenerateTask, HandoffStats, TokenChunk
-from fleet_proto.messages import GenerationOutput
+from fleet_proto import HandoffStats, TokenChunk
+from fleet_proto.messages import GenerationOutput, WorkerTask, task_tokens
 from fleet_runtime.tracing import now_ns
 from fleet_worker.request_trace import RequestTrace
 
@@ -36,14 +36,14 @@ class RequestStream:
 
     def __init__(
         self,
-        task: GenerateTask,
+        task: WorkerTask,
         publish: Publish,
         on_end: Callable[[RequestStream, GenerationOutput], None],
         trace: RequestTrace | None = None,
     ) -> None:
         self.task = task
         self.request_id = task.request_id
-        self.prompt_tokens = len(task.prompt_token_ids)
+        self.prompt_tokens = task_tokens(task)
         self.trace = trace  # None unless the gateway sampled the request for tracing
         self.generated = 0  # tokens so far
         self.started = False  # the engine (or the prefill) has produced: no longer queued

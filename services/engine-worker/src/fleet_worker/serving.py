@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
 from fleet_bus.trace_context import is_sampled, remote_context
-from fleet_proto import GenerateTask, TokenChunk
-from fleet_proto.messages import GenerationOutput
+from fleet_proto import EmbedTask, TokenChunk
+from fleet_proto.messages import GenerationOutput, WorkerTask
 from fleet_runtime.tracing import Tracing, now_ns
 from fleet_worker.disaggregation import DecodeSide, PrefillSide
 from fleet_worker.engines.base import EngineOutput, EngineRequest, KVImport
@@ -51,7 +51,7 @@ class RequestServer:
         self._kv = kv
         self._kv_block_size = kv_block_size
 
-    async def on_task(self, task: GenerateTask) -> None:
+    async def on_task(self, task: WorkerTask) -> None:
         running = self._instances.get(task.instance_id)
         if running is None or not running.accepting:
             error = f"instance {task.instance_id} is not running on {self._node_id}"
@@ -65,6 +65,9 @@ class RequestServer:
             trace = start_request_trace(self._tracing, parent, task.sent_at_ns, received)
         stream = RequestStream(task, self._publish, partial(self._ended, running), trace)
         running.add_stream(stream)
+        if isinstance(task, EmbedTask):  # no KV, no handoff: its inputs go straight to the engine
+            await self.submit(running, stream)
+            return
         if self._kv is not None and running.kv_fingerprint and task.block_hashes:
             usable = reusable_hashes(task, self._kv_block_size)
             stream.fetched = await self._kv.prefetch(running.kv_fingerprint, usable)
@@ -85,11 +88,15 @@ class RequestServer:
             await stream.end("cancelled")
             return
         task = stream.task
-        request = EngineRequest(
-            request_id=task.request_id,
-            prompt_token_ids=task.prompt_token_ids,
-            sampling=task.sampling,
-            kv_import=kv_import,
+        request = (
+            EngineRequest(request_id=task.request_id, prompt_token_ids=(), embed_inputs=task.inputs)
+            if isinstance(task, EmbedTask)
+            else EngineRequest(
+                request_id=task.request_id,
+                prompt_token_ids=task.prompt_token_ids,
+                sampling=task.sampling,
+                kv_import=kv_import,
+            )
         )
         if stream.trace is not None:
             stream.trace.submitted_ns = now_ns()

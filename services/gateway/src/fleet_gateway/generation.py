@@ -1,7 +1,8 @@
-"""The core generation path every API adapter shares: route, publish the task, read the tokens.
+"""The core path every API adapter shares: route, publish the task, read the chunks.
 
 Adapters turn a client request into prompt token ids + SamplingParams, then consume TokenChunks
-from `generate()`; cancelling the iteration (client gone) cancels the request in the engine.
+from `generate()` (or send inputs to `embed()` and get one final chunk with the vectors);
+cancelling the iteration (client gone) cancels the request in the engine.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -22,6 +23,7 @@ from fleet_bus import Bus, RequestFailed, StateFollower, StreamBroken, TokenStre
 from fleet_bus.trace_context import traceparent
 from fleet_proto import (
     CancelRequest,
+    EmbedTask,
     GenerateTask,
     NodeMetrics,
     PrefillPlan,
@@ -31,6 +33,7 @@ from fleet_proto import (
     SamplingParams,
     TokenChunk,
 )
+from fleet_proto.messages import EMBED_TASK, WorkerTask
 from fleet_proto.routing import DEFAULT_DISAGG_MIN_TOKENS, route
 from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, TASK_STREAM, cancel_subject
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
@@ -145,10 +148,7 @@ class Generator:
     ) -> AsyncGenerator[TokenChunk, None]:
         """Route, send the task, stream its chunks; with a KV fingerprint the prompt's block hashes go
         along, so the scheduler can route to cached prefixes and the worker can look them up.
-        `choice` says what the request asks of remote prefill.
-        A worker that dies before taking the task (it is still in the work queue) does not fail the
-        request: the task is withdrawn from the queue and routed to another node."""
-        started = time.monotonic()
+        `choice` says what the request asks of remote prefill."""
         hashes = (
             tuple(block_hashes(kv_fingerprint, prompt_token_ids, self._kv_block_size))
             if kv_fingerprint
@@ -162,8 +162,57 @@ class Generator:
             kv_fingerprint=kv_fingerprint,
             disaggregate=choice.disaggregate,
         )
+
+        def task(decision: RouteReply, parent: str) -> GenerateTask:
+            return GenerateTask(
+                request_id=request_id,
+                instance_id=decision.instance_id,
+                prompt_token_ids=tuple(prompt_token_ids),
+                sampling=sampling,
+                block_hashes=hashes,
+                kv_fingerprint=kv_fingerprint,
+                prefill=prefill_plan(decision, choice),
+                traceparent=parent,
+                sent_at_ns=time.time_ns(),
+            )
+
+        async for chunk in self._run(route_request, task):
+            yield chunk
+
+    async def embed(self, request_id: str, model_id: str, inputs: list[tuple[int, ...]]) -> TokenChunk:
+        """Route to an instance of the embedding model, send the inputs, return the final chunk
+        (its `embeddings`: a vector per input, in order; an error chunk when the worker refused)."""
+        route_request = RouteRequest(
+            request_id=request_id,
+            model_id=model_id,
+            prompt_tokens=sum(len(i) for i in inputs),
+            task=EMBED_TASK,
+        )
+
+        def task(decision: RouteReply, parent: str) -> EmbedTask:
+            return EmbedTask(
+                request_id=request_id,
+                instance_id=decision.instance_id,
+                inputs=tuple(inputs),
+                traceparent=parent,
+                sent_at_ns=time.time_ns(),
+            )
+
+        chunks = [chunk async for chunk in self._run(route_request, task)]
+        return chunks[-1]
+
+    async def _run(
+        self, route_request: RouteRequest, make_task: Callable[[RouteReply, str], WorkerTask]
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Route, publish the task, stream its chunks (the last has finish_reason set).
+        A worker that dies before taking the task (it is still in the work queue) does not fail the
+        request: the task is withdrawn from the queue and routed to another node."""
+        started = time.monotonic()
+        request_id, model_id = route_request.request_id, route_request.model_id
         get_current_span().set_attributes({REQUEST_ID_ATTRIBUTE: request_id, "fleet.model": model_id})
-        with self._tracing.span("route", "route", {"fleet.prompt_tokens": len(prompt_token_ids)}) as span:
+        with self._tracing.span(
+            "route", "route", {"fleet.prompt_tokens": route_request.prompt_tokens}
+        ) as span:
             decision = await self._route(route_request)
             span.set_attributes(decision_attributes(decision))
         if not decision.instance_id:
@@ -175,23 +224,13 @@ class Generator:
         await reader.open()
         finished = False
         first_token_at = 0.0
-        # publish -> last chunk; the worker's spans hang from it (GenerateTask.traceparent)
-        generating = self._tracing.start_span(
-            "generate", "stream", {"fleet.instance_id": decision.instance_id}
+        # publish -> last chunk; the worker's spans hang from it (the task's traceparent)
+        running = self._tracing.start_span(
+            route_request.task, "stream", {"fleet.instance_id": decision.instance_id}
         )
         try:
             for attempt in range(MAX_REROUTES + 1):
-                task = GenerateTask(
-                    request_id=request_id,
-                    instance_id=decision.instance_id,
-                    prompt_token_ids=tuple(prompt_token_ids),
-                    sampling=sampling,
-                    block_hashes=hashes,
-                    kv_fingerprint=kv_fingerprint,
-                    prefill=prefill_plan(decision, choice),
-                    traceparent=traceparent(set_span_in_context(generating)),
-                    sent_at_ns=time.time_ns(),
-                )
+                task = make_task(decision, traceparent(set_span_in_context(running)))
                 seq = await self._bus.publish_task(decision.worker_id, task)
                 received = False
                 try:
@@ -201,15 +240,7 @@ class Generator:
                         if chunk.token_ids and not first_token_at:
                             first_token_at = time.monotonic()
                         if finished:  # before the last chunk goes out: a streaming reader stops at it
-                            await self._publish_stats(
-                                request_id,
-                                model_id,
-                                decision,
-                                len(prompt_token_ids),
-                                started,
-                                first_token_at,
-                                chunk,
-                            )
+                            await self._publish_stats(route_request, decision, started, first_token_at, chunk)
                         yield chunk
                     return
                 except StreamBroken:
@@ -232,7 +263,7 @@ class Generator:
                 )  # fmt: skip
                 target[0] = decision.worker_id
         finally:
-            generating.end()
+            running.end()
             try:
                 if not finished:  # client gone or stream broken: stop the engine's work too
                     with contextlib.suppress(Exception):
@@ -253,10 +284,8 @@ class Generator:
 
     async def _publish_stats(
         self,
-        request_id: str,
-        model_id: str,
+        route_request: RouteRequest,
         decision: RouteReply,
-        prompt_tokens: int,
         started: float,
         first_token_at: float,
         last: TokenChunk,
@@ -266,17 +295,19 @@ class Generator:
         ttft = (first_token_at or now) - started
         tokens = last.completion_tokens
         stats = RequestStats(
-            request_id=request_id,
-            model_id=model_id,
+            request_id=route_request.request_id,
+            model_id=route_request.model_id,
             instance_id=decision.instance_id,
             node_id=decision.worker_id,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=route_request.prompt_tokens,
             completion_tokens=tokens,
             ttft_s=ttft,
             tpot_s=(now - first_token_at) / (tokens - 1) if tokens > 1 and first_token_at else 0.0,
             total_s=now - started,
             finish_reason=last.finish_reason,
             prefix_cached_tokens=last.prefix_cached_tokens,
+            task=route_request.task,
+            inputs=len(last.embeddings),
         )
         with contextlib.suppress(Exception):  # stats are advisory: never fail a request over them
             await self._bus.publish(REQUEST_STATS_SUBJECT, stats)

@@ -19,6 +19,7 @@ from fleet_gateway.anthropic_routes import anthropic_routes
 from fleet_gateway.app import state_routes
 from fleet_gateway.auth import KeyRing, auth_middleware
 from fleet_gateway.dashboard_routes import dashboard_routes
+from fleet_gateway.embedding_routes import embedding_routes
 from fleet_gateway.errors import error_middleware
 from fleet_gateway.generation import Generator, NodeLiveness
 from fleet_gateway.kv_routes import kv_routes
@@ -87,6 +88,7 @@ async def main(ctx: ServiceContext) -> None:
     app.add_routes(openai_routes(turns, ctx.follower))
     app.add_routes(anthropic_routes(turns))
     app.add_routes(ollama_routes(turns, ctx.follower))
+    app.add_routes(embedding_routes(turns, ctx.follower))
     document = openapi_document()
 
     async def openapi_json(_: web.Request) -> web.Response:

@@ -1,5 +1,5 @@
 """Ollama HTTP endpoints, at /api/... (Ollama's own paths) and /ollama/api/... (exo's): chat,
-generate, tags, ps, show, version."""
+generate, tags, ps, show, version (embed and embeddings: embedding_routes.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from fleet_gateway.parsing.reasoning import OPEN as THINK_OPEN
 from fleet_gateway.parsing.tools import infer_tool_parser
 from fleet_gateway.streaming import stream_run
 from fleet_gateway.turns import Prepared, Turns
+from fleet_proto.messages import EMBED_TASK, GENERATE_TASK
 
 
 def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
@@ -61,13 +62,15 @@ def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
         model_id = serving or (name if name in state.models else None)
         if model_id is None:
             raise ApiError(404, f"model '{name}' not found", param="model")
-        model = await turns.resolve(serving) if serving else None
-        template = (model.tokenizer.chat_template or "") if model else ""
-        capabilities = ["completion"]
+        card = state.models.get(model_id)
+        embeds = card is not None and card.embedding is not None
+        model = await turns.resolve(serving, EMBED_TASK if embeds else GENERATE_TASK) if serving else None
+        template = (model.tokenizer.chat_template or "") if model and not embeds else ""
+        capabilities = ["embedding"] if embeds else ["completion"]
         capabilities += ["tools"] if infer_tool_parser(template) else []
         capabilities += ["thinking"] if THINK_OPEN in template else []
         context = model.max_model_len if model else 0
-        return web.json_response(api.show_body(state.models.get(model_id), template, context, capabilities))
+        return web.json_response(api.show_body(card, template, context, capabilities))
 
     async def version(_: web.Request) -> web.Response:
         return web.json_response({"version": api.OLLAMA_API_VERSION})

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from fleet_gateway import anthropic_api, completions_api, ollama_api, openai_api, responses_api
+from fleet_gateway import anthropic_api, completions_api, embeddings, ollama_api, openai_api, responses_api
 
 REF = "#/components/schemas/{name}"
 OBJECT = {"type": "object"}
@@ -66,6 +66,7 @@ POSTS: list[tuple[str, type, dict[str, Any], str, str]] = [
         "Anthropic message",
     ),
     ("/v1/messages/count_tokens", anthropic_api.CountTokensRequest, ANTHROPIC_ERROR, "", "Count tokens"),
+    ("/v1/embeddings", embeddings.OpenAIEmbeddingRequest, OPENAI_ERROR, "", "Embeddings"),
 ] + [
     entry
     for prefix in ollama_api.PREFIXES
@@ -79,6 +80,14 @@ POSTS: list[tuple[str, type, dict[str, Any], str, str]] = [
             "Ollama generate",
         ),
         (f"{prefix}/show", ollama_api.ShowRequest, OLLAMA_ERROR, "", "Ollama model details"),
+        (f"{prefix}/embed", embeddings.OllamaEmbedRequest, OLLAMA_ERROR, "", "Ollama embeddings"),
+        (
+            f"{prefix}/embeddings",
+            embeddings.OllamaEmbeddingsRequest,
+            OLLAMA_ERROR,
+            "",
+            "Ollama embedding (legacy)",
+        ),
     )
 ]
 GETS: list[tuple[str, dict[str, Any], str]] = [

@@ -147,6 +147,10 @@ class ChatTokenizer:
         """
         folder = Path(path)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # some tokenizer.json files pad and truncate every input (sentence-transformers' to 128):
+        # one prompt is never padded, and lengths are checked where the request is
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         if chat_template is None:
             jinja_file = folder / "chat_template.jinja"

@@ -48,7 +48,7 @@ from fleet_gateway.stops import StopMatcher
 from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_gateway.tool_grammar import ForcedCalls, with_forced_calls
 from fleet_proto import SamplingParams, TokenChunk
-from fleet_proto.messages import TokenLogprob
+from fleet_proto.messages import EMBED_TASK, GENERATE_TASK, TokenLogprob
 from fleet_runtime.tracing import Tracing
 from fleet_store import StoreError
 
@@ -271,6 +271,15 @@ def _constraint_param(ask: SamplingAsk) -> str | None:
     return ask.constraint.param if ask.constraint else None
 
 
+def wrong_kind(model_id: str, task: str) -> str:
+    if task == EMBED_TASK:
+        return (
+            f"{model_id!r} is a generative model and no engine here pools it into embeddings: "
+            "stage an embedding model (e.g. sentence-transformers/all-MiniLM-L6-v2) and ask it."
+        )
+    return f"{model_id!r} is an embedding model: ask it through /v1/embeddings or /api/embed."
+
+
 class Turns:
     """Model resolution, prompt rendering and starting runs, for every API adapter."""
 
@@ -288,10 +297,14 @@ class Turns:
         self._catalog = catalog
         self._follower = follower
 
-    async def resolve(self, requested: str) -> ModelInfo:
-        """The model serving `requested` (itself, or a ready model of the same base model)."""
+    async def resolve(self, requested: str, task: str = GENERATE_TASK) -> ModelInfo:
+        """The model serving `requested` (itself, or a ready model of the same base model), when it
+        does `task`: an embedding model only embeds, a chat model only generates."""
         state = self._follower.state
         model_id = serving_model(state, requested)
+        cards = (state.models.get(name) for name in (requested, model_id or ""))
+        if any(c is not None and (c.embedding is not None) != (task == EMBED_TASK) for c in cards):
+            raise ApiError(400, wrong_kind(requested, task), param="model", code="model_not_supported")
         if model_id is None:
             if requested in known_models(state):
                 raise ApiError(503, f"The model {requested!r} has no ready instance yet; try again shortly")
@@ -306,6 +319,18 @@ class Turns:
             return await self._catalog.get(model_id)
         except StoreError as exc:
             raise ApiError(503, f"cannot load the tokenizer of {model_id!r}: {exc}") from None
+
+    async def embed(self, request_id: str, model: ModelInfo, inputs: list[tuple[int, ...]]) -> TokenChunk:
+        """The inputs' vectors (the final chunk's `embeddings`); 400 when the engine refused the
+        request itself, 503 when no instance could run it."""
+        try:
+            last = await self._generator.embed(request_id, model.model_id, inputs)
+        except (NoInstance, StreamBroken) as exc:
+            raise ApiError(503, str(exc)) from None
+        if last.finish_reason == "error":
+            invalid = last.error_kind == "invalid_request"
+            raise ApiError(400 if invalid else 503, last.error, param="input" if invalid else None)
+        return last
 
     async def prepare_chat(self, turn: ChatTurn) -> Prepared:
         model = await self.resolve(turn.model)
