@@ -56,6 +56,20 @@ def test_request_histograms_and_counters():
     assert v[("fleet_requests_total", (("finish_reason", "length"), ("model", "b")))] == 1
 
 
+def test_embedding_requests_have_their_own_series():
+    m = FleetMetrics()
+    m.observe_request(stats("e", task="embed", inputs=3, prompt_tokens=40, completion_tokens=0, total_s=0.05))
+    m.observe_request(stats("e", task="embed", inputs=1, prompt_tokens=9, completion_tokens=0, total_s=0.02))
+    v = parse(m)
+    assert v[("fleet_embedding_requests_total", (("finish_reason", "stop"), ("model", "e")))] == 2
+    assert v[("fleet_embedding_inputs_total", (("model", "e"),))] == 4
+    assert v[("fleet_embedding_tokens_total", (("model", "e"),))] == 49
+    assert v[("fleet_embedding_duration_seconds_count", (("model", "e"),))] == 2
+    # none of generation's
+    assert ("fleet_requests_total", (("finish_reason", "stop"), ("model", "e"))) not in v
+    assert ("fleet_prompt_tokens_total", (("model", "e"),)) not in v
+
+
 def test_request_without_tokens_observes_no_ttft():
     m = FleetMetrics()
     m.observe_request(stats("a", finish_reason="error", completion_tokens=0, ttft_s=-1, tpot_s=-1))

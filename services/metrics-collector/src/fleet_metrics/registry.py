@@ -15,6 +15,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from fleet_proto import NodeMetrics
+from fleet_proto.messages import EMBED_TASK
 
 # The text format /metrics serves (generate_latest writes the classic 0.0.4 format).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,6 +44,10 @@ class RequestStatsLike(Protocol):
     def finish_reason(self) -> str: ...
     @property
     def prefix_cached_tokens(self) -> int: ...
+    @property
+    def task(self) -> str: ...
+    @property
+    def inputs(self) -> int: ...
 
 
 class NodeCollector(Collector):
@@ -174,11 +179,27 @@ class FleetMetrics:
             "Prompt tokens served from the prefix cache / all prompt tokens, over all requests.",
             registry=r,
         )
+        # embedding requests (RequestStats.task "embed") have their own series: no tokens generated
+        self.embedding_requests = Counter(
+            "fleet_embedding_requests", "Embedding requests finished, by finish reason.",
+            ["model", "finish_reason"], registry=r,
+        )  # fmt: skip
+        self.embedding_inputs = Counter("fleet_embedding_inputs", "Inputs embedded.", ["model"], registry=r)
+        self.embedding_tokens = Counter(
+            "fleet_embedding_tokens", "Input tokens embedded.", ["model"], registry=r
+        )
+        self.embedding_duration = Histogram(
+            "fleet_embedding_duration_seconds", "Embedding request time, routing included.", ["model"],
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
         self._prompt_tokens = 0
         self._cached_tokens = 0
         r.register(NodeCollector(live_nodes))
 
     def observe_request(self, stats: RequestStatsLike) -> None:
+        if stats.task == EMBED_TASK:
+            self.observe_embedding(stats)
+            return
         model = stats.model_id
         self.requests.labels(model, stats.finish_reason or "unknown").inc()
         self.duration.observe(max(stats.total_s, 0.0))
@@ -193,6 +214,13 @@ class FleetMetrics:
         self._prompt_tokens += max(stats.prompt_tokens, 0)
         self._cached_tokens += min(max(stats.prefix_cached_tokens, 0), max(stats.prompt_tokens, 0))
         self.prefix_hit.set(prefix_hit_ratio(self._cached_tokens, self._prompt_tokens))
+
+    def observe_embedding(self, stats: RequestStatsLike) -> None:
+        model = stats.model_id
+        self.embedding_requests.labels(model, stats.finish_reason or "unknown").inc()
+        self.embedding_duration.labels(model).observe(max(stats.total_s, 0.0))
+        self.embedding_inputs.labels(model).inc(max(stats.inputs, 0))
+        self.embedding_tokens.labels(model).inc(max(stats.prompt_tokens, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
