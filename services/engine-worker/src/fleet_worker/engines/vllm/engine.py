@@ -105,6 +105,24 @@ def kv_transfer_config(kv_dir: str, fingerprint: str, block_size: int) -> dict[s
     }
 
 
+def device_args(
+    on_cpu: bool, dtype: str, kv_cache_bytes: int | None, gpu_memory_utilization: float
+) -> dict[str, Any]:
+    """The EngineArgs every Fleet vLLM engine sets by the device it runs on."""
+    # On a CPU, float32 (the quality reference's precision) unless asked: bf16 is a weight
+    # format the worker serves only once calibration measured it within the quality budget
+    # (SmolLM2-135M in bf16: top-1 0.973 against f32, outside the default budget).
+    args: dict[str, Any] = {"dtype": dtype or ("float32" if on_cpu else "auto")}
+    if on_cpu or kv_cache_bytes:
+        args["kv_cache_memory_bytes"] = kv_cache_bytes or CPU_KV_CACHE_BYTES
+    if not on_cpu:
+        # With a KV size given, vLLM sizes nothing by this, but still refuses to start unless this
+        # share of the device is free: the worker passes the instance's grant's share
+        # (engine_options.memory_options), which another instance there leaves free.
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    return args
+
+
 def _set(args: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in args.items() if v is not None}
 
@@ -175,10 +193,6 @@ class VllmEngine:
         load_format = register_progress_loader(layers, on_load_progress or (lambda done, total: None))
         args: dict[str, Any] = {
             "model": str(model_dir),
-            # On a CPU, float32 (the quality reference's precision) unless asked: bf16 is a weight
-            # format the worker serves only once calibration measured it within the quality budget
-            # (SmolLM2-135M in bf16: top-1 0.973 against f32, outside the default budget).
-            "dtype": dtype or ("float32" if on_cpu else "auto"),
             "skip_tokenizer_init": False,  # vLLM's structured outputs need the vocabulary
             # the grammar library of Fleet's own samplers (grammar.py): one language on every engine
             "structured_outputs_config": {"backend": "xgrammar"},
@@ -189,14 +203,7 @@ class VllmEngine:
             "max_model_len": max_model_len,
             "block_size": block_size or (32 if on_cpu else None),
             "disable_log_stats": True,
-        }
-        if on_cpu or kv_cache_bytes:
-            args["kv_cache_memory_bytes"] = kv_cache_bytes or CPU_KV_CACHE_BYTES
-        if not on_cpu:
-            # With a KV size given, vLLM sizes nothing by this, but still refuses to start unless this
-            # share of the device is free: the worker passes the instance's grant's share
-            # (engine_options.memory_options), which another instance there leaves free.
-            args["gpu_memory_utilization"] = gpu_memory_utilization
+        } | device_args(on_cpu, dtype, kv_cache_bytes, gpu_memory_utilization)
         fingerprint = ""
         # why this engine moves no KV ("" when the connector is on)
         self.kv_problem = "" if kv_dir else "the engine has no kv_dir"

@@ -18,7 +18,8 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 LOAD_FORMAT = "fleet-progress"
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# `layers.<i>.` of decoders, `layer.<i>.` of BERT-style encoders (embedding models)
+_LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 
 
 def count_layers(
