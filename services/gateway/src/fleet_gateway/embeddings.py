@@ -14,11 +14,11 @@ sentence-transformers does.
 from __future__ import annotations
 
 import base64
+import struct
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
 
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.tokenizer import ChatTokenizer
@@ -182,20 +182,20 @@ def truncated(ids: list[int], limit: int, text: str | None, tokenizer: ChatToken
     return head + plain[: limit - len(head) - len(tail)] + tail
 
 
-def vectors(embeddings: tuple[bytes, ...]) -> list[np.ndarray]:
-    return [np.frombuffer(raw, dtype="<f4") for raw in embeddings]
+def floats(raw: bytes) -> list[float]:
+    """A vector as the engine sent it (little-endian float32) in numbers."""
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
-def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-    return [float(v) for v in vector]
+def encoded(raw: bytes, encoding_format: str) -> list[float] | str:
+    """base64: the engine's bytes as they are (little-endian float32, as OpenAI's SDK decodes)."""
+    return base64.b64encode(raw).decode("ascii") if encoding_format == "base64" else floats(raw)
 
 
 def openai_body(model: str, embeddings: tuple[bytes, ...], encoding_format: str, tokens: int) -> dict:
     data = [
-        {"object": "embedding", "index": i, "embedding": encoded(v, encoding_format)}
-        for i, v in enumerate(vectors(embeddings))
+        {"object": "embedding", "index": i, "embedding": encoded(raw, encoding_format)}
+        for i, raw in enumerate(embeddings)
     ]
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return {"object": "list", "data": data, "model": model, "usage": usage}
@@ -204,7 +204,7 @@ def openai_body(model: str, embeddings: tuple[bytes, ...], encoding_format: str,
 def ollama_body(model: str, embeddings: tuple[bytes, ...], tokens: int, duration_s: float) -> dict:
     return {
         "model": model,
-        "embeddings": [[float(x) for x in v] for v in vectors(embeddings)],
+        "embeddings": [floats(raw) for raw in embeddings],
         "total_duration": int(duration_s * 1e9),
         "load_duration": 0,
         "prompt_eval_count": tokens,
@@ -212,4 +212,4 @@ def ollama_body(model: str, embeddings: tuple[bytes, ...], tokens: int, duration
 
 
 def ollama_legacy_body(embeddings: tuple[bytes, ...]) -> dict:
-    return {"embedding": [float(x) for x in vectors(embeddings)[0]]}
+    return {"embedding": floats(embeddings[0])}
