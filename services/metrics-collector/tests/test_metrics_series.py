@@ -98,6 +98,12 @@ def test_request_points_are_ttft_decode_rate_and_kv_hits():
     assert set(series.request_points(stats(completion_tokens=1))) == {"ttft_s", "kv_hit_ratio"}
 
 
+def test_an_embedding_request_gives_its_latency_and_input_rate_only():
+    embedded = stats(task="embed", inputs=8, completion_tokens=0, prompt_tokens=90, total_s=0.25)
+    assert series.request_points(embedded) == {"embedding_latency_s": 0.25, "embedding_inputs_per_s": 32.0}
+    assert {"embedding_latency_s", "embedding_inputs_per_s"} <= set(series.SERIES)  # the dashboard's list
+
+
 def test_gpu_utilization_is_the_mean_of_the_gpus_that_report_it():
     gpus = (
         GpuSample(index=0, utilization_ratio=0.5),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import redis.asyncio as aioredis
 
 from fleet_proto import NodeMetrics, RequestStats
+from fleet_proto.messages import EMBED_TASK
 
 KEY_PREFIX = "fleet:series"
 MAX_POINTS = 3600  # 1 h at 1 Hz
@@ -39,13 +40,24 @@ METRICS: dict[str, Callable[[NodeMetrics], float | None]] = {
     "queued_tokens": lambda s: sum(s.queued_tokens.values()),
     "gpu_utilization": _gpu_utilization,
 }
-# metric name -> how to read it from a finished request's stats (a point per request, on its node)
+
+
+def _embedding(r: RequestStats) -> bool:
+    return r.task == EMBED_TASK
+
+
+# metric name -> how to read it from a finished request's stats (a point per request, on its node);
+# an embedding request has its own (no tokens generated, no prefix cache)
 REQUEST_METRICS: dict[str, Callable[[RequestStats], float | None]] = {
     "ttft_s": lambda r: r.ttft_s if r.completion_tokens > 0 and r.ttft_s >= 0 else None,
     "decode_tokens_per_s": lambda r: 1.0 / r.tpot_s if r.completion_tokens > 1 and r.tpot_s > 0 else None,
     "kv_hit_ratio": lambda r: (
-        min(r.prefix_cached_tokens, r.prompt_tokens) / r.prompt_tokens if r.prompt_tokens > 0 else None
+        min(r.prefix_cached_tokens, r.prompt_tokens) / r.prompt_tokens
+        if r.prompt_tokens > 0 and not _embedding(r)
+        else None
     ),
+    "embedding_latency_s": lambda r: r.total_s if _embedding(r) and r.total_s >= 0 else None,
+    "embedding_inputs_per_s": lambda r: r.inputs / r.total_s if _embedding(r) and r.total_s > 0 else None,
 }
 SERIES = sorted({*METRICS, *REQUEST_METRICS})
 
