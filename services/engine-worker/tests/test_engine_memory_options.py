@@ -86,3 +86,17 @@ def test_float32_weights_of_a_bfloat16_card_are_counted_at_their_size():
     assert options["gpu_memory_utilization"] == round(
         (2 * card.storage_bytes + options["kv_cache_bytes"]) / node.gpus[0].memory_bytes, 4
     )
+
+
+def test_an_embedder_on_a_gpu_gets_the_kv_size_and_device_share_only():
+    from fleet_worker.engine_options import embedder_options
+
+    memory = memory_options({}, "vllm", recorded.LLAMA_8B, recorded.H100_BOX)
+    options = embedder_options(memory)
+    assert options == {
+        "embedding": True,
+        "kv_cache_bytes": memory["kv_cache_bytes"],
+        "gpu_memory_utilization": memory["gpu_memory_utilization"],
+    }
+    assert options["gpu_memory_utilization"] < 0.9  # never vLLM's default share of the device
+    assert embedder_options({}) == {"embedding": True}  # a CPU, or MLX

@@ -118,6 +118,14 @@ def memory_options(
     return options
 
 
+def embedder_options(memory: dict[str, Any]) -> dict[str, Any]:
+    """An embedding model's engine options: its embedder, and of `memory_options` only the KV size
+    and device share (a vLLM embedder on a GPU must not ask vLLM for its default 0.9 of it)."""
+    return {"embedding": True} | {
+        k: v for k, v in memory.items() if k in (KV_CACHE_OPTION, DEVICE_SHARE_OPTION)
+    }
+
+
 def shard_rank(instance: Instance, node_id: str) -> int | None:
     """This node's rank in a pipeline instance (its shard's position), None when it holds none."""
     return next((rank for rank, s in enumerate(instance.shards) if s.node_id == node_id), None)

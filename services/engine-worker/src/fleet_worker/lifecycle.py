@@ -46,6 +46,7 @@ from fleet_worker.calibrating import Calibrator
 from fleet_worker.calibration import LOAD_TIMEOUT_S, warm_up_request
 from fleet_worker.engine_options import (
     KVSettings,
+    embedder_options,
     engine_options,
     memory_options,
     pipeline_options,
@@ -248,8 +249,8 @@ class Lifecycle:
                 await self._loading_progress(iid, 0.0)
             card = self._state().models.get(instance.model_id)
             embedding = card is not None and card.embedding is not None
-            if embedding:  # its engine's embedder takes none of generation's options (KV, formats)
-                options: dict[str, Any] = {"embedding": True}
+            if embedding:  # its engine's embedder takes none of generation's options but memory's
+                options = embedder_options(self._memory_options(instance, manifest, {}))
                 weight_format = ""
             else:
                 options, weight_format = self._generation_options(instance, manifest, rank)
