@@ -78,3 +78,10 @@ def test_operator_limits_are_400_naming_the_limit_and_the_context():
     assert greedy.value.param == "max_completion_tokens" and "at most 50 tokens" in greedy.value.message
     assert to_sampling(SamplingAsk(), [2], 2048, 10, limits).max_tokens == 50  # the default is capped
     assert to_sampling(SamplingAsk(max_tokens=50), [2], 2048, 100, limits).max_tokens == 50
+
+
+def test_embeddings_are_limited_like_generation():
+    from fleet_gateway.limits import ENGINE_PATHS
+
+    assert {"/v1/embeddings", "/api/embed", "/api/embeddings", "/v1/chat/completions"} <= ENGINE_PATHS
+    assert "/v1/models" not in ENGINE_PATHS

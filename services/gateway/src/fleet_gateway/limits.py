@@ -24,8 +24,13 @@ from fleet_gateway.errors import ApiError, Handler
 
 log = logging.getLogger("fleet_gateway.limits")
 
-GENERATION_PATHS = frozenset(
+ENGINE_PATHS = frozenset(  # the requests that take an engine's time: generation and embeddings
     {
+        "/v1/embeddings",
+        "/api/embed",
+        "/api/embeddings",
+        "/ollama/api/embed",
+        "/ollama/api/embeddings",
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/responses",
@@ -132,7 +137,7 @@ def limits_middleware(streams: StreamLimiter, rate: RateLimiter):
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method != "POST" or request.path not in GENERATION_PATHS:
+        if request.method != "POST" or request.path not in ENGINE_PATHS:
             return await handler(request)
         caller = request.get(IDENTITY, "anonymous")
         await rate.check(caller)
