@@ -52,6 +52,14 @@ def test_engines_rank_by_measurement_only_when_every_one_is_measured() -> None:
     assert engine_order(apple, "org/m", ENGINES)[0][0] == "mlx"
 
 
+def test_an_embedding_model_goes_by_the_embedding_prior() -> None:
+    # calibrations measure generation: an embedding model is ranked by what fleet bench embed measured
+    cpu = calibrated(node("n", 8.0, ENGINES), *CPU_MEASURED)
+    assert engine_order(cpu, "org/m", ("mlx", "vllm"), embedding=True) == (["vllm", "mlx"], PRIOR)
+    apple = node("n", 8.0, ENGINES, kind=NodeKind.APPLE)
+    assert engine_order(apple, "org/m", ("vllm", "mlx"), embedding=True)[0] == ["mlx", "vllm"]
+
+
 def test_a_measurement_of_another_engine_version_or_model_does_not_count() -> None:
     stale = calibrated(
         node("n", 8.0, ("mlx", "vllm")), measured("mlx", 1, 1), measured("vllm", 9, 9, version="0.old")

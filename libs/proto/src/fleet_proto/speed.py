@@ -26,6 +26,13 @@ PRIOR_ORDER: dict[NodeKind, tuple[str, ...]] = {
     NodeKind.CUDA: ("vllm", "llamacpp", "mlx"),
     NodeKind.CPU: ("llamacpp", "mlx", "vllm"),  # x86 AVX2, SmolLM2: 6, 10 and 12 s per reference request
 }
+# Embedding models are not calibrated: the order `fleet bench embed` measured (all-MiniLM-L6-v2 on
+# the 2-core x86 VM, batch 32: vLLM 192, MLX 41 inputs/s; README "Embeddings")
+EMBEDDING_PRIOR_ORDER: dict[NodeKind, tuple[str, ...]] = {
+    NodeKind.APPLE: ("mlx", "vllm"),
+    NodeKind.CUDA: ("vllm", "mlx"),
+    NodeKind.CPU: ("vllm", "mlx"),
+}
 MEASURED = "measured"
 PRIOR = "prior"
 
@@ -70,11 +77,16 @@ def _prior_index(kind: NodeKind, engine: str) -> int:
     return order.index(engine) if engine in order else len(order)
 
 
-def engine_order(node: NodeInfo, model_id: str, engines: Iterable[str]) -> tuple[list[str], str]:
+def engine_order(
+    node: NodeInfo, model_id: str, engines: Iterable[str], embedding: bool = False
+) -> tuple[list[str], str]:
     """`engines` fastest first on `node` for `model_id` (those within the quality budget before the
     others), and how they were ranked (MEASURED when every one of them has a calibration there, else
-    PRIOR); ties keep the given order."""
+    PRIOR; an embedding model by EMBEDDING_PRIOR_ORDER); ties keep the given order."""
     candidates = list(dict.fromkeys(engines))
+    if embedding:
+        order = EMBEDDING_PRIOR_ORDER.get(node.kind, ())
+        return sorted(candidates, key=lambda e: order.index(e) if e in order else len(order)), PRIOR
     measured = {e: calibration(node, e, model_id) for e in candidates}
     if candidates and all(measured.values()):
 

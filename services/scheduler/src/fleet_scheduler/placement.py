@@ -163,7 +163,8 @@ def speed_rank(
 ) -> tuple[int, str]:
     """How `engine` ranks for `card` among the node's engines (higher is faster, 0 when it is not one
     of them), and the reason part that says why."""
-    order, how = engine_order(node, card.model_id, node_engines(card, node, caps))
+    embedding = card.embedding is not None
+    order, how = engine_order(node, card.model_id, node_engines(card, node, caps), embedding)
     if engine not in order or len(order) < 2:
         return 0, ""
     rank = min(len(order) - order.index(engine), MAX_SPEED_RANK)
