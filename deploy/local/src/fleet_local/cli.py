@@ -101,15 +101,24 @@ def _cmd_up(args: argparse.Namespace) -> int:
             return 1
         state = call("GET", f"{manifest.gateway_url}/state", key=manifest.admin_key)
         node = state["nodes"].get(decoder["node_id"])
-        partner, why = prefill_partner(decoder, args.prefill_engine, vllm_installed, node)
+        embeds = bool((state["models"].get(args.model) or {}).get("embedding"))
+        partner, why = (
+            ("", "an embedding model prefills nothing for others")
+            if embeds
+            else (prefill_partner(decoder, args.prefill_engine, vllm_installed, node))
+        )
         if partner:
             _serve_prefill_partner(manifest, args, partner, decoder["engine"], why)
         else:
             print(f"Serving {args.model} on {decoder['engine']} alone: {why}")
+        path, ask = (
+            ("embeddings", '"input": "Hi"')
+            if embeds
+            else ("chat/completions", '"messages": [{"role": "user", "content": "Hi"}]')
+        )
         print(
-            f"  ready: curl {manifest.gateway_url}/v1/chat/completions{auth} "
-            "-H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": "Hi"}}]}}\''
+            f"  ready: curl {manifest.gateway_url}/v1/{path}{auth} -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{args.model}", {ask}}}\''
         )
     print(f"  gateway  {manifest.gateway_url}   (try: curl{auth} {manifest.gateway_url}/state)")
     print(f"  events   {manifest.gateway_url}/events")
