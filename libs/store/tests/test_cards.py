@@ -1,4 +1,8 @@
-"""model_card: pure derivation of a ModelCard from a manifest (config.json + file list)."""
+"""model_card: pure derivation of a ModelCard from a manifest (config.json + file list).
+
+Whole at ~470 lines: every test here checks the one function model_card (and the name rules it
+applies), from a chat model's dimensions to an embedding model's pooling; split by field, the
+fixtures (configs, manifests) would be shared across files."""
 
 from __future__ import annotations
 

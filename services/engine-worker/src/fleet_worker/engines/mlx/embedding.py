@@ -11,9 +11,8 @@ in float32.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,31 +26,15 @@ from fleet_worker.engines.base import (
     EngineRequest,
     KVChanges,
     LoadProgress,
-    embed_problem,
     error_output,
 )
+from fleet_worker.engines.embedding_job import EmbeddingJob, admission_problem
 from fleet_worker.engines.mlx.bert import load_bert
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request: its vectors so far (None: not yet embedded), in input order."""
-
-    request: EngineRequest
-    added_at: float
-    vectors: list[bytes | None] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(tokens) for tokens in self.request.embed_inputs)
-
-    def done(self) -> bool:
-        return all(vector is not None for vector in self.vectors)
 
 
 @dataclass(frozen=True, eq=False)
 class _Input:
-    job: _Job
+    job: EmbeddingJob
     index: int  # its place in the request's inputs
 
     @property
@@ -138,18 +121,16 @@ class MlxEmbedder:
         self.vocab_size = self.model.config.vocab_size
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, EmbeddingJob] = {}
         self._waiting: list[_Input] = []  # oldest first
         self._outputs: list[EngineOutput] = []  # errors and cancels, sent at the next step
 
     def add(self, request: EngineRequest) -> None:
-        problem = embed_problem(request, self.vocab_size, self.facts.max_tokens)
-        if request.request_id in self._jobs:
-            problem = f"request id {request.request_id!r} is already running"
+        problem = admission_problem(request, self.vocab_size, self.facts.max_tokens, self._jobs)
         if problem:
             self._outputs.append(error_output(request, problem, kind=INVALID_REQUEST))
             return
-        job = _Job(request, time.perf_counter(), [None] * len(request.embed_inputs))
+        job = EmbeddingJob(request)
         self._jobs[request.request_id] = job
         self._waiting.extend(_Input(job, index) for index in range(len(request.embed_inputs)))
 
@@ -158,9 +139,7 @@ class MlxEmbedder:
         if job is None:  # finished, refused or unknown: its final output is already out or queued
             return
         self._waiting = [item for item in self._waiting if item.job is not job]
-        self._outputs.append(
-            EngineOutput(request_id=request_id, finish_reason="cancelled", prompt_tokens=job.tokens)
-        )
+        self._outputs.append(job.output("cancelled"))
 
     def step(self) -> list[EngineOutput]:
         outputs, self._outputs = self._outputs, []
@@ -176,7 +155,8 @@ class MlxEmbedder:
             item.job.vectors[item.index] = vector
         for job in dict.fromkeys(item.job for item in batch):
             if job.done():
-                outputs.append(self._finished(job))
+                del self._jobs[job.request.request_id]
+                outputs.append(job.output("stop"))
         return outputs
 
     def has_work(self) -> bool:
@@ -204,13 +184,3 @@ class MlxEmbedder:
                 vectors = unit_length(vectors)
             rows = np.array(vectors.astype(mx.float32), dtype="<f4")
         return [row.tobytes() for row in rows]
-
-    def _finished(self, job: _Job) -> EngineOutput:
-        del self._jobs[job.request.request_id]
-        return EngineOutput(
-            request_id=job.request.request_id,
-            finish_reason="stop",
-            prompt_tokens=job.tokens,
-            prompt_time_s=time.perf_counter() - job.added_at,
-            embeddings=tuple(vector for vector in job.vectors if vector is not None),
-        )

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import gc
 import math
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +37,9 @@ from fleet_worker.engines.base import (
     EngineRequest,
     KVChanges,
     LoadProgress,
-    embed_problem,
     error_output,
 )
+from fleet_worker.engines.embedding_job import EmbeddingJob, admission_problem
 from fleet_worker.engines.vllm.engine import CPU_KV_CACHE_BYTES, device_args, text_config
 from fleet_worker.engines.vllm.loader import register_progress_loader
 
@@ -84,36 +82,13 @@ def vector_problem(facts: EmbeddingFacts, vector: np.ndarray) -> str:
     return ""
 
 
+def running_ids(job: EmbeddingJob) -> list[str]:
+    """vLLM's ids of a request's inputs not yet pooled."""
+    return [input_id(job.request.request_id, index) for index in job.waiting()]
+
+
 def vector_of(data: torch.Tensor) -> np.ndarray:
     return np.asarray(data.to("cpu", torch.float32).numpy(), dtype="<f4")
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request: its vectors so far (None: not yet pooled), in input order."""
-
-    request: EngineRequest
-    added_at: float
-    vectors: list[bytes | None]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(tokens) for tokens in self.request.embed_inputs)
-
-    def running(self) -> list[str]:
-        """vLLM's ids of its inputs not yet pooled."""
-        rid = self.request.request_id
-        return [input_id(rid, i) for i, vector in enumerate(self.vectors) if vector is None]
-
-    def output(self, finish_reason: str) -> EngineOutput:
-        done = finish_reason == "stop"
-        return EngineOutput(
-            request_id=self.request.request_id,
-            finish_reason=finish_reason,
-            prompt_tokens=self.tokens,
-            prompt_time_s=time.perf_counter() - self.added_at,
-            embeddings=tuple(v for v in self.vectors if v is not None) if done else (),
-        )
 
 
 class VllmEmbedder:
@@ -153,8 +128,8 @@ class VllmEmbedder:
         } | device_args(current_platform.is_cpu(), dtype, kv_cache_bytes, gpu_memory_utilization)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         self.vocab_size = self._engine.model_config.get_vocab_size()
-        self._jobs: dict[str, _Job] = {}
-        self._inputs: dict[str, tuple[_Job, int]] = {}  # vLLM's id -> its request and place in it
+        self._jobs: dict[str, EmbeddingJob] = {}
+        self._inputs: dict[str, tuple[EmbeddingJob, int]] = {}  # vLLM's id -> its request and place in it
         self._pending: list[EngineOutput] = []  # outputs decided outside step()
         problem = pooling_problem(
             facts, self._engine.model_config.pooler_config, tuple(self._engine.get_supported_tasks())
@@ -176,13 +151,11 @@ class VllmEmbedder:
         return PoolingParams(task="embed", use_activation=self.facts.normalize)
 
     def add(self, request: EngineRequest) -> None:
-        problem = embed_problem(request, self.vocab_size, self.facts.max_tokens)
-        if not problem and request.request_id in self._jobs:
-            problem = f"request id {request.request_id!r} is already running"
+        problem = admission_problem(request, self.vocab_size, self.facts.max_tokens, self._jobs)
         if problem:
             self._pending.append(error_output(request, problem, kind=INVALID_REQUEST))
             return
-        job = _Job(request, time.perf_counter(), [None] * len(request.embed_inputs))
+        job = EmbeddingJob(request)
         added: list[str] = []
         try:
             for index, tokens in enumerate(request.embed_inputs):
@@ -201,7 +174,7 @@ class VllmEmbedder:
         job = self._jobs.pop(request_id, None)
         if job is None:  # finished, refused or unknown: its final output is already out or queued
             return
-        running = job.running()
+        running = running_ids(job)
         self._engine.abort_request(running)
         for engine_id in running:
             del self._inputs[engine_id]
@@ -219,7 +192,7 @@ class VllmEmbedder:
         except Exception as error:
             # One forward pass serves every running input: no telling which request broke it.
             failed, self._jobs, self._inputs = list(self._jobs.values()), {}, {}
-            self._engine.abort_request([i for job in failed for i in job.running()])
+            self._engine.abort_request([i for job in failed for i in running_ids(job)])
             return outputs + [error_output(job.request, describe_error(error)) for job in failed]
         for result in results:
             place = self._inputs.pop(result.request_id, None)
@@ -227,7 +200,7 @@ class VllmEmbedder:
                 continue  # cancelled after this step was scheduled
             job, index = place
             job.vectors[index] = vector_of(result.outputs.data).tobytes()
-            if not job.running():
+            if job.done():
                 del self._jobs[job.request.request_id]
                 outputs.append(job.output("stop"))
         return outputs
