@@ -219,11 +219,15 @@ async def test_token_stream_in_order_then_stall_and_gap_are_errors(fresh_nats):
         await bus.close()
 
 
+async def dead() -> bool:
+    return False
+
+
 async def test_token_stream_ends_within_seconds_when_the_producer_is_dead(fresh_nats):
     bus = await connected(fresh_nats.url)
     try:
         reader = await TokenStreamReader(
-            bus, "r-4", stall_timeout_s=60, producer_alive=lambda: False, poll_s=0.2
+            bus, "r-4", stall_timeout_s=60, producer_alive=dead, poll_s=0.2
         ).open()
         started = time.monotonic()
         with pytest.raises(StreamBroken, match="stopped responding"):

@@ -40,6 +40,25 @@ def test_each_request_gets_its_prompt_back_for_exactly_max_tokens(engine) -> Non
     assert all(not o.finish_reason for o in outputs["a"][:-1])
 
 
+def test_a_continuation_goes_on_from_its_generated_tokens(engine) -> None:
+    def continued(request_id: str, generated: tuple[int, ...]) -> EngineRequest:
+        prompt, sampling = (5, 6, 7), SamplingParams(max_tokens=5)
+        return EngineRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, generated_token_ids=generated
+        )
+
+    engine.add(continued("on", (5, 6)))
+    engine.add(continued("spent", (5, 6, 7, 5, 6)))
+    engine.add(continued("outside", (5, 100)))
+    outputs = run(engine)
+    assert [t for o in outputs["on"] for t in o.token_ids] == [7, 5, 6]  # the rest of the whole run
+    last = outputs["on"][-1]
+    assert (last.finish_reason, last.completion_tokens, last.prompt_tokens) == ("length", 5, 3)
+    (spent,) = outputs["spent"]
+    assert (spent.finish_reason, spent.token_ids, spent.completion_tokens) == ("length", (), 5)
+    assert "generated token id 100 is outside the vocabulary" in outputs["outside"][0].error
+
+
 def test_bad_requests_end_with_the_contracts_error(engine) -> None:
     engine.add(EngineRequest(request_id="empty", prompt_token_ids=()))
     engine.add(EngineRequest(request_id="outside", prompt_token_ids=(100,)))

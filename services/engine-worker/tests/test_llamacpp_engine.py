@@ -319,3 +319,41 @@ def test_a_handoff_with_its_first_token_decodes_on_from_the_second(
         assert final.handoff is not None and final.handoff.fallback and tokens == cold[1:]
     finally:
         decoder.close()
+
+
+def continued(
+    request_id: str, prompt: tuple[int, ...], sampling: SamplingParams, generated: list[int]
+) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        generated_token_ids=tuple(generated),
+    )
+
+
+def test_a_continuation_goes_on_exactly_as_the_uninterrupted_run(engine, direct) -> None:
+    prompt = tokens_of(
+        direct, "<|im_start|>user\nName three rivers of Oman.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    cold = reference(direct, prompt, 16)  # uninterrupted, by llama-cpp-python; in no slot yet
+    assert len(cold) > 6
+    plain = SamplingParams(max_tokens=16, temperature=0.0)
+    tokens, final = run(engine, [continued("resumed", prompt, plain, cold[:6])])  # their KV computed here
+    assert tokens["resumed"] == cold[6:]
+    stopped = final["resumed"].finish_reason == "stop"
+    assert (final["resumed"].completion_tokens, final["resumed"].prompt_tokens) == (
+        len(cold) + stopped,
+        len(prompt),
+    )
+    # seeded, with penalties: the engine's own run, then continued (its sampler past 5 draws)
+    seeded = SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=40, seed=7, repetition_penalty=1.2, frequency_penalty=0.5,
+        presence_penalty=0.3,
+    )  # fmt: skip
+    whole, ends = run(engine, [continued("whole", prompt, seeded, [])])
+    on, on_ends = run(engine, [continued("on", prompt, seeded, whole["whole"][:5])])
+    assert on["on"] == whole["whole"][5:]
+    assert on_ends["on"].completion_tokens == ends["whole"].completion_tokens
+    spent, spent_ends = run(engine, [continued("spent", prompt, SamplingParams(max_tokens=4), cold[:4])])
+    assert spent["spent"] == [] and spent_ends["spent"].finish_reason == "length"

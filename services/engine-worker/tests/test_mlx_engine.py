@@ -308,3 +308,34 @@ def test_logprobs_are_mlx_lm_log_softmax_with_the_top_tokens(
         assert score.logprob == pytest.approx(row[token].item(), abs=1e-4)
         assert list(score.top_ids) == top and score.top_ids[0] == token  # greedy: the likeliest
         assert list(score.top_logprobs) == pytest.approx([row[i].item() for i in top], abs=1e-4)
+
+
+def continued(
+    request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int]
+) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        sampling=sampling,
+        generated_token_ids=tuple(generated),
+    )
+
+
+def test_a_continuation_goes_on_exactly_as_the_uninterrupted_run(engine: MlxEngine):
+    prompt = PROMPTS[3]
+    seeded = SamplingParams(
+        temperature=0.9, max_tokens=16, seed=21, top_p=0.95, min_tokens=12,
+        repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+    )  # fmt: skip
+    least = greedy(8, min_tokens=5, logit_bias=((EOS_ID, 100.0),))  # 5 tokens, then EOS
+    for name, sampling in (("greedy", greedy(16)), ("seeded", seeded), ("least", least)):
+        whole, final = run(engine, [request(name, prompt, sampling)])
+        expected = (final[name].finish_reason, final[name].completion_tokens, len(prompt))
+        for at in (1, 9):  # each alone: a batch's padded forward pass may round otherwise
+            tokens, ends = run(engine, [continued(f"{name}{at}", prompt, sampling, whole[name][:at])])
+            assert tokens[f"{name}{at}"] == whole[name][at:], (name, at)
+            end = ends[f"{name}{at}"]
+            assert (end.finish_reason, end.completion_tokens, end.prompt_tokens) == expected
+    tokens, ends = run(engine, [continued("spent", prompt, greedy(4), [9, 8, 7, 6])])
+    assert tokens["spent"] == []
+    assert (ends["spent"].finish_reason, ends["spent"].completion_tokens) == ("length", 4)

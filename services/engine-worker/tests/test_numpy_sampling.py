@@ -99,3 +99,24 @@ def test_logprobs_name_the_token_and_the_most_likely_ones() -> None:
     entry = token_logprob(logprobs, 2, 2)
     assert entry.top_ids == (1, 2) and entry.logprob == entry.top_logprobs[1]
     assert abs(np.exp(logprobs).sum() - 1) < 1e-6
+
+
+def test_a_resumed_sampler_draws_what_the_uninterrupted_one_drew_next() -> None:
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(size=4).astype(np.float32) * 2 for _ in range(12)]  # the model's logits per step
+    params = {"temperature": 1.0, "seed": 5, "repetition_penalty": 1.3, "frequency_penalty": 0.4}
+
+    def sample(chosen: RequestSampler, steps: list[np.ndarray]) -> list[int]:
+        tokens = []
+        for row in steps:
+            tokens.append(chosen.draw(chosen.logprobs(row)))
+            chosen.accept(tokens[-1])
+        return tokens
+
+    whole = sample(sampler(prompt=[0], **params), rows)
+    for at in (1, 7):
+        resumed = sampler(prompt=[0], **params)
+        assert resumed.resume(whole[:at]) and resumed.generated == at
+        assert sample(resumed, rows[at:]) == whole[at:]
+    refused = sampler(prompt=[0], constraint=FakeConstraint([1], 4), **params)
+    assert not refused.resume([1, 2])  # the grammar refuses 2

@@ -60,12 +60,36 @@ def run(engine, requests: Sequence[EngineRequest], timeout_s: float = 120.0):
     return tokens, final
 
 
-def asking(request_id: str, prompt: Sequence[int], max_tokens: int = 48, **params) -> EngineRequest:
+def asking(
+    request_id: str, prompt: Sequence[int], max_tokens: int = 48, generated: Sequence[int] = (), **params
+) -> EngineRequest:
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=tuple(prompt),
         sampling=SamplingParams(max_tokens=max_tokens, **params),
+        generated_token_ids=tuple(generated),
     )
+
+
+SHORT = r"(yes|no), [a-z]{2,10} [a-z]{2,10}\."  # a few tokens: continuations are checked on it
+
+
+def continues_in_its_grammar(engine, prompt: Sequence[int], refused: Sequence[int], decode) -> None:
+    """A greedy structured run, then its continuation after 3 tokens: the same rest, the whole
+    matching; a continuation whose tokens the grammar refuses ends with an error."""
+    spec = StructuredOutput(regex=SHORT)
+    tokens, final = run(engine, [asking("whole", prompt, temperature=0.0, structured=spec)])
+    whole, completion = tokens["whole"], final["whole"].completion_tokens
+    assert len(whole) > 3
+    requests = [
+        asking("on", prompt, temperature=0.0, structured=spec, generated=whole[:3]),
+        asking("off", prompt, temperature=0.0, structured=spec, generated=refused),
+    ]
+    tokens, final = run(engine, requests)
+    assert tokens["on"] == whole[3:] and re.fullmatch(SHORT, decode(whole[:3] + tokens["on"]))
+    assert (final["on"].completion_tokens, final["on"].finish_reason) == (completion, "stop")
+    assert (final["off"].finish_reason, final["off"].error_kind) == ("error", "")
+    assert "do not fit the request's structured output" in final["off"].error
 
 
 def test_a_spec_names_its_one_constraint_and_choices_are_escaped() -> None:
@@ -149,6 +173,11 @@ def test_mlx_refuses_a_spec_that_does_not_compile_and_runs_the_others(mlx_engine
     assert final["fine"].finish_reason == "length" and len(tokens["fine"]) == 6
 
 
+def test_mlx_continues_a_structured_request_in_its_grammar(mlx_engine: MlxEngine, tiny_tokenizer) -> None:
+    refused = tiny_tokenizer.encode("nope").ids
+    continues_in_its_grammar(mlx_engine, PROMPT, refused, tiny_tokenizer.decode)
+
+
 def test_mlx_bias_penalties_and_min_tokens(mlx_engine: MlxEngine) -> None:
     requests = [
         asking("plain", PROMPT, max_tokens=24, temperature=0.0),
@@ -206,13 +235,17 @@ def llamacpp(gguf_dir: Path) -> Iterator[LlamaCppEngine]:
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def hf(gguf_dir: Path):
+    """The GGUF's tokenizer: the folder holds only the GGUF, whose vocabulary the grammar reads too."""
+    return AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=next(gguf_dir.glob("*.gguf")).name)
+
+
 def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_llamacpp_samples_at_temperature_one_all_validate(llamacpp: LlamaCppEngine, gguf_dir: Path) -> None:
-    # the folder holds only the GGUF: the grammar reads its vocabulary from there, as this does
-    hf = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=next(gguf_dir.glob("*.gguf")).name)
+def test_llamacpp_samples_at_temperature_one_all_validate(llamacpp: LlamaCppEngine, hf) -> None:
     prompt = hf.encode(chat("Describe Paris as JSON with a city, an answer and a count."))
     spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
     requests = [
@@ -232,3 +265,8 @@ def test_llamacpp_refuses_a_bad_grammar_alone(llamacpp: LlamaCppEngine) -> None:
     tokens, final = run(llamacpp, requests)
     assert (final["bad"].finish_reason, final["bad"].error_kind) == ("error", INVALID_REQUEST)
     assert len(tokens["fine"]) == 4
+
+
+def test_llamacpp_continues_a_structured_request_in_its_grammar(llamacpp: LlamaCppEngine, hf) -> None:
+    prompt = hf.encode(chat("Describe Paris in one line."))
+    continues_in_its_grammar(llamacpp, prompt, hf.encode("nope", add_special_tokens=False), hf.decode)

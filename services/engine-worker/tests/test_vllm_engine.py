@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet_proto import SamplingParams
+from fleet_proto import SamplingParams, StructuredOutput
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_store.kv import KVFolder, decode_block, folder_fingerprint, prompt_blocks
 from fleet_worker.engine_process import EngineLoadError, EngineProcess
@@ -353,3 +353,26 @@ async def test_a_prompt_prefilled_over_several_steps_reports_its_progress(engine
     first = next(i for i, o in enumerate(outputs) if o.token_ids)
     assert all(not o.token_ids for o in outputs[:first]) and outputs[0].prefilled_tokens == 64
     assert len(tokens(outputs)) == MAX_TOKENS
+
+
+async def test_a_continuation_goes_on_as_the_uninterrupted_run(engine: Engine) -> None:
+    prompt = PROMPTS[3]
+    # frequency and presence penalties count the generated tokens through Fleet's logits processor
+    penalized = greedy(12, repetition_penalty=1.2, frequency_penalty=0.6, presence_penalty=0.4)
+    for name, sampling in (("greedy", greedy(12)), ("penalized", penalized)):
+        whole = await engine.run(f"whole-{name}", prompt, sampling)
+        on = await engine.run(f"on-{name}", prompt, sampling, generated_token_ids=tuple(tokens(whole)[:5]))
+        assert tokens(on) == tokens(whole)[5:], name
+        assert (on[-1].completion_tokens, on[-1].prompt_tokens) == (whole[-1].completion_tokens, len(prompt))
+    # seeded: vLLM cannot skip its generator's draws; a continuation repeats itself, seeded anew
+    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=10)
+    again = [
+        tokens(await engine.run(f"seeded-{i}", prompt, seeded, generated_token_ids=(7, 8, 9)))
+        for i in range(2)
+    ]
+    assert again[0] == again[1] and len(again[0]) == 7
+    spent = await engine.run("spent", prompt, greedy(3), generated_token_ids=(7, 8, 9))
+    assert (tokens(spent), spent[-1].finish_reason, spent[-1].completion_tokens) == ([], "length", 3)
+    structured = greedy(structured=StructuredOutput(regex="[a-z]+"))
+    refused = await engine.run("structured", prompt, structured, generated_token_ids=(7,))
+    assert refused[-1].finish_reason == "error" and "cannot resume a structured output" in refused[-1].error

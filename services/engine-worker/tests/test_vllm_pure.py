@@ -11,7 +11,13 @@ from fleet_store import ManifestFile, ModelManifest
 from fleet_store.kv import manifest_fingerprint, model_fingerprint
 from fleet_worker.engine_options import EngineOptionsError, KVSettings, engine_options, parse_engine_options
 from fleet_worker.engines.vllm.paged import ProbedPositions, SplitLastDim
-from fleet_worker.engines.vllm.sampling import emitted_tokens, structured_outputs_fields, vllm_sampling_kwargs
+from fleet_worker.engines.vllm.sampling import (
+    RESUMED_PENALTIES,
+    emitted_tokens,
+    resumed_seed,
+    structured_outputs_fields,
+    vllm_sampling_kwargs,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -50,6 +56,27 @@ def test_max_tokens_is_clamped_to_the_room_left_in_the_context() -> None:
         SamplingParams(max_tokens=500), prompt_tokens=90, max_model_len=100, eos_token_ids=[]
     )
     assert kwargs["max_tokens"] == 10 and "logprobs" not in kwargs
+
+
+def test_a_continuation_counts_its_generated_tokens_and_is_seeded_anew() -> None:
+    params = SamplingParams(max_tokens=50, min_tokens=8, seed=3, temperature=0.7, frequency_penalty=0.5)
+    kwargs = vllm_sampling_kwargs(
+        params, prompt_tokens=10, max_model_len=100, eos_token_ids=[2], generated=[5] * 6
+    )
+    assert (kwargs["max_tokens"], kwargs["min_tokens"]) == (44, 2)
+    assert kwargs["seed"] == resumed_seed(3, 6) not in (3, resumed_seed(3, 7), resumed_seed(4, 6))
+    # the frequency penalty must count the generated tokens: Fleet's processor applies all three
+    assert (kwargs["repetition_penalty"], kwargs["frequency_penalty"], kwargs["presence_penalty"]) == (
+        1.0,
+        0.0,
+        0.0,
+    )
+    resumed = {"generated": 6, "repetition": 1.0, "frequency": 0.5, "presence": 0.0}
+    assert kwargs["extra_args"] == {RESUMED_PENALTIES: resumed}
+    plain = vllm_sampling_kwargs(
+        SamplingParams(seed=3), prompt_tokens=10, max_model_len=100, eos_token_ids=[2]
+    )
+    assert plain["seed"] == 3 and "extra_args" not in plain
 
 
 def test_the_stop_token_is_dropped_only_when_it_stopped_the_request() -> None:

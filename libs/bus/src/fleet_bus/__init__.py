@@ -1,7 +1,7 @@
 """Fleet's NATS JetStream client: streams, typed publish/consume, request/reply, token streams."""
 
 from fleet_bus.auth import NatsAuth
-from fleet_bus.connection import Bus, BusError, BusUnavailable, RequestFailed, error_text
+from fleet_bus.connection import Bus, BusError, BusUnavailable, NoResponders, RequestFailed, error_text
 from fleet_bus.follower import StateFollower
 from fleet_bus.locks import kv_lock
 from fleet_bus.streams import ensure_streams
@@ -14,6 +14,7 @@ __all__ = [
     "BusUnavailable",
     "Delivery",
     "NatsAuth",
+    "NoResponders",
     "RequestFailed",
     "StateFollower",
     "StreamBroken",

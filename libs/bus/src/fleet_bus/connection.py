@@ -79,6 +79,11 @@ class RequestFailed(BusError):
     """A request got no reply: nobody serves the subject, or it did not answer in time."""
 
 
+class NoResponders(RequestFailed):
+    """Nobody subscribes to the subject: the NATS server said so at once (a process that died lost
+    its subscriptions with its connection)."""
+
+
 class Bus:
     """One service's NATS connection. Create with `await Bus.connect(...)`, end with `await bus.close()`."""
 
@@ -258,7 +263,7 @@ class Bus:
                 subject, encode(message), timeout=timeout_s, headers=trace_headers() or None
             )
         except NoRespondersError:
-            raise RequestFailed(f"nobody serves {subject}") from None
+            raise NoResponders(f"nobody serves {subject}") from None
         except NatsTimeoutError:
             raise RequestFailed(f"no reply on {subject} within {timeout_s} s") from None
         return msgspec.json.decode(reply.data, type=reply_type)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from nats.aio.subscription import Subscription
@@ -30,6 +30,10 @@ async def publish_chunk(bus: Bus, chunk: TokenChunk) -> None:
     await bus.nc.publish(token_subject(chunk.request_id), encode(chunk))
 
 
+async def _assumed_alive() -> bool:
+    return True
+
+
 class TokenStreamReader:
     """Subscribe before the task is published (`await reader.open()`), then iterate the chunks."""
 
@@ -38,7 +42,7 @@ class TokenStreamReader:
         bus: Bus,
         request_id: str,
         stall_timeout_s: float,
-        producer_alive: Callable[[], bool] = lambda: True,
+        producer_alive: Callable[[], Awaitable[bool]] | None = None,
         poll_s: float = 1.0,
     ) -> None:
         """`producer_alive` is asked every `poll_s` without a chunk: a dead worker ends the stream
@@ -46,7 +50,7 @@ class TokenStreamReader:
         self._bus = bus
         self.request_id = request_id
         self._stall_timeout_s = stall_timeout_s
-        self._producer_alive = producer_alive
+        self._producer_alive = producer_alive or _assumed_alive
         self._poll_s = poll_s
         self._sub: Subscription | None = None
 
@@ -78,7 +82,7 @@ class TokenStreamReader:
                 msg = await self._sub.next_msg(timeout=min(self._poll_s, self._stall_timeout_s))
             except TimeoutError:
                 raise_if_cancelling()
-                if not self._producer_alive():
+                if not await self._producer_alive():
                     raise StreamBroken(
                         f"the worker running request {self.request_id} stopped responding"
                     ) from None

@@ -69,6 +69,14 @@ class PrefillPlan(Frozen):
 GENERATE_TASK = "generate"
 EMBED_TASK = "embed"
 
+# A task older than this (GenerateTask.sent_at_ns) when a worker takes it is dropped: its gateway
+# stopped waiting for a first chunk after as long (a worker that was down while it sat in its queue).
+TASK_TTL_S = 600.0
+# GenerationOutput.error_kind of an instance that cannot finish a request that is itself fine: its
+# engine died, it drains, it is not on that worker (any more). The gateway resumes it elsewhere.
+UNAVAILABLE = "unavailable"
+INVALID_REQUEST = "invalid_request"
+
 
 class GenerateTask(Frozen, tag_field="kind", tag=GENERATE_TASK):
     request_id: str
@@ -83,6 +91,12 @@ class GenerateTask(Frozen, tag_field="kind", tag=GENERATE_TASK):
     # it), and when the gateway published the task (ns since the epoch: the queue wait's start).
     traceparent: str = ""
     sent_at_ns: int = 0
+    # Migration (a continuation): the tokens this request already produced, and its client already
+    # has, on an instance that died or drained. The engine goes on after them as if it had sampled
+    # them itself: its context is the prompt plus these; max_tokens and min_tokens count them;
+    # penalties see them as completion; a grammar has accepted them; a seeded draw sequence is past
+    # them. Outputs count the whole request: prompt_tokens the prompt's, completion_tokens these too.
+    generated_token_ids: tuple[int, ...] = ()
 
 
 class EmbedTask(Frozen, tag_field="kind", tag=EMBED_TASK):
@@ -168,8 +182,9 @@ class GenerationOutput(Frozen):
     token_ids: tuple[int, ...] = ()
     finish_reason: str = ""  # "", "stop", "length", "cancelled", "error"
     error: str = ""
-    # "invalid_request": the request itself is wrong (a grammar that does not compile): the client's
-    # 400, not the server's failure; "": any other error
+    # INVALID_REQUEST: the request itself is wrong (a grammar that does not compile): the client's
+    # 400, not the server's failure; UNAVAILABLE: the instance cannot finish it (the gateway migrates
+    # it); "": any other error
     error_kind: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -209,6 +224,19 @@ class RequestStats(Frozen):
     prefix_cached_tokens: int = 0
     task: str = GENERATE_TASK  # RouteRequest.task
     inputs: int = 0  # an embedding request's inputs (vectors returned)
+    migrations: int = 0  # times it moved to another instance (its worker died or drained)
+
+
+class LivenessProbe(Frozen):
+    """Gateway -> worker on `fleet.alive.<node_id>` (request/reply): are you there? A worker whose
+    process died lost its subscription with its connection, so NATS answers "no responders" at
+    once: a stream's gateway knows within a poll, not after the metrics' silence."""
+
+    node_id: str
+
+
+class LivenessReply(Frozen):
+    node_id: str
 
 
 class CancelRequest(Frozen):
@@ -250,8 +278,10 @@ class RouteRequest(Frozen):
     kv_fingerprint: str = ""  # the model's, which the block hashes (and the KV index keys) are seeded with
     # Remote prefill: "auto" (when the uncached prompt is long enough), "always", "never".
     disaggregate: str = "auto"
-    # Nodes not to route to: the gateway re-routes a task whose worker died before taking it.
+    # Nodes and instances not to route to: the gateway moves a request off a worker that died
+    # (its node) or an instance that could not finish it (UNAVAILABLE).
     avoid_nodes: tuple[str, ...] = ()
+    avoid_instances: tuple[str, ...] = ()
     task: str = GENERATE_TASK  # or EMBED_TASK: an EmbedTask, for an instance of an embedding model
 
 

@@ -56,10 +56,20 @@ def embeds(state: State, model_id: str) -> bool:
     return card is not None and card.embedding is not None
 
 
+def serving(state: State, instance: Instance) -> bool:
+    """Ready, and every node it runs on is in the cluster (a worker that is stopping leaves first)."""
+    nodes = {instance.node_id, *(s.node_id for s in instance.shards)}
+    return instance.status == InstanceStatus.READY and all(n in state.nodes for n in nodes)
+
+
+def avoided(instance: Instance, request: RouteRequest) -> bool:
+    return instance.node_id in request.avoid_nodes or instance.instance_id in request.avoid_instances
+
+
 def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE_ROLES) -> list[Instance]:
     """Ready instances of the model, or failing that of another model with the same base model and
     the same kind (an embedding model's instances never generate, nor a chat model's embed)."""
-    ready = [i for i in state.instances.values() if i.status == InstanceStatus.READY and i.role in roles]
+    ready = [i for i in state.instances.values() if serving(state, i) and i.role in roles]
     exact = [i for i in ready if i.model_id == model_id]
     if exact:
         return exact
@@ -72,12 +82,18 @@ def route_embedding(state: State, request: RouteRequest, load: Mapping[str, int]
     prefix cache, no split: its inputs are short and embedded whole)."""
     if not embeds(state, request.model_id):
         return RouteReply(error=f"{request.model_id} is no embedding model")
-    ready = [i for i in ready_instances(state, request.model_id) if i.node_id not in request.avoid_nodes]
+    ready = [i for i in ready_instances(state, request.model_id) if not avoided(i, request)]
     if not ready:
         return RouteReply(error=f"no ready instance of {request.model_id}")
     chosen = min(ready, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
     reason = f"least loaded of {len(ready)} ready (load {load.get(chosen.instance_id, 0)} tokens)"
     return RouteReply(instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=reason)
+
+
+def avoiding(request: RouteRequest) -> str:
+    said = [f"nodes {', '.join(request.avoid_nodes)}" if request.avoid_nodes else ""]
+    said.append(f"instances {', '.join(request.avoid_instances)}" if request.avoid_instances else "")
+    return f" off {' and '.join(s for s in said if s)}" if any(said) else ""
 
 
 def instance_calibration(state: State, instance: Instance) -> EngineCalibration | None:
@@ -118,10 +134,9 @@ def route(
     if embeds(state, request.model_id):
         return RouteReply(error=f"{request.model_id} is an embedding model: it serves embeddings only")
     cached = cached or {}
-    candidates = [i for i in ready_instances(state, request.model_id) if i.node_id not in request.avoid_nodes]
+    candidates = [i for i in ready_instances(state, request.model_id) if not avoided(i, request)]
     if not candidates:
-        avoided = f" off nodes {', '.join(request.avoid_nodes)}" if request.avoid_nodes else ""
-        return RouteReply(error=f"no ready instance of {request.model_id}{avoided}")
+        return RouteReply(error=f"no ready instance of {request.model_id}{avoiding(request)}")
     fastest = fastest_engines(state, candidates, "decode_tokens_per_s", lambda f: f.decode_preferred)
     preferred = [i for i in candidates if i.engine in fastest] or candidates
     chosen = min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, cached), i.instance_id))

@@ -16,6 +16,8 @@ from fleet_proto.messages import (
     CancelRequest,
     EmbedTask,
     GenerateTask,
+    LivenessProbe,
+    LivenessReply,
     NodeMetrics,
     PlacementsReply,
     PlacementsRequest,
@@ -128,6 +130,7 @@ TOKEN_SUBJECT = "fleet.tok.{request_id}"
 CANCEL_SUBJECT = "fleet.cancel.{request_id}"
 PREFILL_SUBJECT = "fleet.prefill.{worker_id}"
 METRICS_SUBJECT = "fleet.metrics.{node_id}"
+ALIVE_SUBJECT = "fleet.alive.{node_id}"
 
 
 def task_subject(worker_id: str) -> str:
@@ -148,6 +151,10 @@ def prefill_subject(worker_id: str) -> str:
 
 def metrics_subject(node_id: str) -> str:
     return METRICS_SUBJECT.format(node_id=subject_token(node_id))
+
+
+def alive_subject(node_id: str) -> str:
+    return ALIVE_SUBJECT.format(node_id=subject_token(node_id))
 
 
 # What a subscriber to every request's or node's messages listens on.
@@ -233,6 +240,13 @@ CHANNELS: tuple[Channel, ...] = (
         messages=(RequestStats,),
         retention=Retention.CORE,
         description="Timings and token counts of every finished request (gateway -> metrics-collector).",
+    ),
+    Channel(
+        subject=ALIVE_SUBJECT,
+        messages=(LivenessProbe,),
+        reply=LivenessReply,
+        retention=Retention.CORE,
+        description="Is this worker there? Gateway -> worker (request/reply); no responders: it died.",
     ),
     Channel(
         subject=METRICS_SUBJECT,

@@ -105,6 +105,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     command_ack_wait_s: float = 30.0
     # The scheduler times out a node whose metrics have been missing this long.
     node_timeout_s: float = 5.0
+    # Migration (docs/RELIABILITY.md): a request whose worker died or drained goes on elsewhere, at
+    # most this many times; a draining instance (deleted, or its worker stopping) lets its requests
+    # finish for this long, then moves the rest.
+    max_migrations: int = 3
+    drain_grace_s: float = 5.0
     state_dir: str = ".fleet"
     log_level: str = "INFO"
     log_format: str = "json"  # json | text

@@ -58,6 +58,8 @@ REQUEST_METRICS: dict[str, Callable[[RequestStats], float | None]] = {
     ),
     "embedding_latency_s": lambda r: r.total_s if _embedding(r) and r.total_s >= 0 else None,
     "embedding_inputs_per_s": lambda r: r.inputs / r.total_s if _embedding(r) and r.total_s > 0 else None,
+    # a point per request that moved here from a dead or draining instance: how many times it moved
+    "migrations": lambda r: float(r.migrations) if r.migrations else None,
 }
 SERIES = sorted({*METRICS, *REQUEST_METRICS})
 

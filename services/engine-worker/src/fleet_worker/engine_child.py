@@ -75,7 +75,10 @@ def run_child(
     stream_interval_s: float = 0.0,
 ) -> None:
     """The child's main: load, then serve commands until Shutdown or until the parent goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    # Ctrl-C, or a SIGTERM sent to the whole group, reaches the child too: the parent decides (it
+    # drains its requests first, then stops the engine)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     encoder = msgspec.msgpack.Encoder()
     started = time.perf_counter()
 

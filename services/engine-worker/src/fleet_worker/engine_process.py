@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from fleet_proto.messages import UNAVAILABLE
 from fleet_worker.engine_child import run_child
 from fleet_worker.engine_messages import (
     Cancel,
@@ -233,7 +234,11 @@ class EngineProcess:
             reason = f"engine failed: {self._failure}"
         self.exit_reason = reason
         for request_id in sorted(self._in_flight):
-            self._queue.put_nowait(EngineOutput(request_id=request_id, finish_reason="error", error=reason))
+            self._queue.put_nowait(  # the requests are fine: their gateways resume them elsewhere
+                EngineOutput(
+                    request_id=request_id, finish_reason="error", error=reason, error_kind=UNAVAILABLE
+                )
+            )
         self._in_flight.clear()
         self._queue.put_nowait(None)
         self._conn.close()

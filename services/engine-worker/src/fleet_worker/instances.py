@@ -42,6 +42,7 @@ class InstanceManager:
         handoffs: HandoffClient | None = None,
         calibration: Calibration | None = None,
         stream_interval_s: float = 0.0,
+        drain_grace_s: float = 5.0,
     ) -> None:
         options = options or {}
         block_size = kv_settings.block_size if kv_settings is not None else 0
@@ -76,6 +77,7 @@ class InstanceManager:
             kv,
             kv_settings,
             stream_interval_s,
+            drain_grace_s,
         )
 
     # -- what the node reports --------------------------------------------------------------------
@@ -98,6 +100,11 @@ class InstanceManager:
     async def close(self) -> None:
         await self._calibrator.close()
         await self._lifecycle.close()
+
+    async def leave(self) -> None:
+        """Drain every instance (requests finish or move on), then close."""
+        await self._calibrator.close()
+        await self._lifecycle.leave()
 
     # -- requests -----------------------------------------------------------------------------
     async def on_task(self, task: WorkerTask, _: Delivery) -> None:

@@ -61,7 +61,7 @@ from fleet_worker.serving import RequestServer
 
 log = logging.getLogger("fleet_worker")
 WARMUP_TIMEOUT_S = 120.0
-DRAIN_TIMEOUT_S = 30.0  # a draining instance's requests get this long to finish, then are cancelled
+DRAIN_GRACE_S = 5.0  # Settings.drain_grace_s
 PROGRESS_INTERVAL_S = 0.5
 
 PublishEvent = Callable[[msgspec.Struct], Awaitable[object]]  # (Bus.publish_event's sequence: unused)
@@ -165,7 +165,9 @@ class Lifecycle:
         kv: WorkerKV | None = None,
         kv_settings: KVSettings | None = None,
         stream_interval_s: float = 0.0,
+        drain_grace_s: float = DRAIN_GRACE_S,
     ) -> None:
+        self._drain_grace_s = drain_grace_s
         self._node_id = node_id
         self._service_id = service_id
         self._state = state
@@ -354,17 +356,37 @@ class Lifecycle:
             raise RuntimeError(f"warm-up failed: {output.error}")
 
     async def _drain(self, running: RunningInstance) -> None:
-        """Let in-flight requests finish (new ones are no longer routed here), then unload and say so."""
+        """A deleted instance: its requests move on (new ones are no longer routed here), then it
+        unloads and says so."""
+        await self.empty(running, "the instance was deleted")
         iid = running.instance.instance_id
+        await self.unload(iid)
+        await self._event(InstanceDeleted(instance_id=iid))
+
+    async def empty(self, running: RunningInstance, why: str) -> None:
+        """Let in-flight requests finish within the drain grace; the streams still running then
+        move to other instances (their gateways resume them), exports are cancelled."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(running.idle.wait(), DRAIN_TIMEOUT_S)
-        for request_id in list(running.streams):
-            self._server.cancel(request_id)
+            await asyncio.wait_for(running.idle.wait(), self._drain_grace_s)
+        await self._server.move(running, why)
         for engine_id in list(running.exports):
             with contextlib.suppress(Exception):
                 running.engine.cancel(engine_id)
-        await self.unload(iid)
-        await self._event(InstanceDeleted(instance_id=iid))
+
+    async def leave(self) -> None:
+        """The worker stops: every instance here drains at once (the node has left the cluster, so
+        nothing new is routed here), is said to be placed but not loaded (this worker loads it again
+        when it is back), then unloads."""
+        for running in self.running.values():
+            running.leaving = True
+        instances = list(self.running.values())
+        await asyncio.gather(*(self.empty(r, f"worker {self._node_id} is stopping") for r in instances))
+        for r in instances:  # placed here, not loaded: not routed to until this worker loads it again
+            if r.rank == 0:
+                await self._progress(
+                    InstanceStatusChanged(instance_id=r.instance.instance_id, status=InstanceStatus.PLACED)
+                )
+        await self.close()
 
     async def unload(self, instance_id: str) -> None:
         self._generations.pop(instance_id, None)

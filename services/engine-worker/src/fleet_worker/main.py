@@ -8,18 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
 
 from fleet_bus import consume_tasks
-from fleet_proto import CancelRequest, ModelDeleted, NodeJoined, NodeLeft, ServiceKind
+from fleet_proto import (
+    CancelRequest,
+    LivenessProbe,
+    LivenessReply,
+    ModelDeleted,
+    NodeJoined,
+    NodeLeft,
+    ServiceKind,
+)
 from fleet_proto.messages import WorkerTask
 from fleet_proto.quality import parse_budget
-from fleet_proto.subjects import ALL_CANCELS_SUBJECT, metrics_subject
+from fleet_proto.subjects import ALL_CANCELS_SUBJECT, alive_subject, metrics_subject
 from fleet_runtime.service import ServiceContext, run
 from fleet_store import KV_BUCKET, ObjectStore, StoreError
 from fleet_store.kv import KVFolder
@@ -44,6 +54,7 @@ from fleet_worker.probe import (
     resolved_ring_host,
 )
 
+log = logging.getLogger("fleet_worker")
 METRICS_INTERVAL_S = 1.0
 
 
@@ -77,13 +88,20 @@ async def publish_metrics(
         await asyncio.sleep(METRICS_INTERVAL_S)
 
 
-async def follow_assignments(ctx: ServiceContext, manager: InstanceManager) -> None:
+async def follow_assignments(
+    ctx: ServiceContext, manager: InstanceManager, node_id: str, announce: Callable[[], Awaitable[None]]
+) -> None:
     async with ctx.follower.listen() as live:
         await manager.reconcile(ctx.follower.state)
         async for _, event in live:
             await manager.reconcile(ctx.follower.state)
             if isinstance(event, ModelDeleted):
                 await manager.remove_model(event.model_id)
+            elif isinstance(event, NodeLeft) and event.node_id == node_id:
+                # taken for gone while it is running (the scheduler timed out this node's previous
+                # process just as this one started): it is here, and routable only once it says so
+                log.warning("the cluster took node %s for gone (%s): joining again", node_id, event.reason)
+                await announce()
 
 
 async def main(ctx: ServiceContext) -> None:
@@ -149,6 +167,7 @@ async def main(ctx: ServiceContext) -> None:
         receiver,
         calibration,
         settings.stream_interval_ms / 1000,
+        settings.drain_grace_s,
     )
     prefill_server = PrefillServer(
         ctx.bus,
@@ -179,23 +198,33 @@ async def main(ctx: ServiceContext) -> None:
         manager.cancel(request_id)
 
     cancel_sub = await ctx.bus.nc.subscribe(ALL_CANCELS_SUBJECT, cb=on_cancel)
+
+    async def here(_: LivenessProbe) -> LivenessReply:  # gone with the process: see LivenessProbe
+        return LivenessReply(node_id=node_id)
+
+    await ctx.bus.serve(alive_subject(node_id), LivenessProbe, here)
     task_decoder = msgspec.json.Decoder(WorkerTask)
     ctx.spawn(publish_metrics(ctx, node_id, model_dir, manager, kv, overrides, gpus), "node-metrics")
-    ctx.spawn(follow_assignments(ctx, manager), "assignments")
+    ctx.spawn(follow_assignments(ctx, manager, node_id, announce), "assignments")
     ctx.spawn(kv.keep_index(), "kv-index")  # rewrites the KV index after a Redis outage
     on_task = honouring_early_cancels(ctx.bus, cancels, manager.on_task, manager.cancel)
     ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, on_task), "tasks")
 
     async def leave() -> None:
+        # Out of the cluster first, so nothing more is routed here; then the requests running here
+        # finish within the drain grace or move on (their gateways resume them elsewhere).
+        with contextlib.suppress(Exception):
+            await ctx.bus.publish_event(
+                NodeLeft(node_id=node_id, reason="worker stopping", origin=ctx.service_id)
+            )
+        await manager.leave()
         await cancel_sub.unsubscribe()
         await prefill_server.close()
-        await manager.close()
         await kv.close()
         await cache.close()
         if gpus is not None:
             gpus.close()
         store.close()
-        await ctx.bus.publish_event(NodeLeft(node_id=node_id, reason="worker stopped", origin=ctx.service_id))
 
     ctx.on_shutdown(leave)
 

@@ -83,11 +83,14 @@ class RequestStream:
         )
         await self._publish_next(first)
 
-    async def end(self, finish_reason: str, error: str = "") -> None:
-        """End the stream without the engine: cancelled while its KV travelled, or the engine gone."""
+    async def end(self, finish_reason: str, error: str = "", error_kind: str = "") -> None:
+        """End the stream without the engine: cancelled while its KV travelled, the engine gone, or
+        moved off a draining instance."""
         if self.ended:
             return
-        last = GenerationOutput(request_id=self.request_id, finish_reason=finish_reason, error=error)
+        last = GenerationOutput(
+            request_id=self.request_id, finish_reason=finish_reason, error=error, error_kind=error_kind
+        )
         self._end(last)
         await self._publish_next(last)
 

@@ -69,13 +69,14 @@ class RunningInstance:
         self.exports: dict[str, Export] = {}  # engine request id -> export
         self.internal: dict[str, asyncio.Future[EngineOutput]] = {}
         self.pump: asyncio.Task[None] | None = None
-        self.draining: asyncio.Task[None] | None = None
+        self.draining: asyncio.Task[None] | None = None  # deleted: its requests move on, it unloads
+        self.leaving = False  # its worker is stopping
         self.idle = asyncio.Event()  # set while no client request or export is in flight
         self.idle.set()
 
     @property
     def accepting(self) -> bool:
-        return self.draining is None
+        return self.draining is None and not self.leaving
 
     def add_stream(self, stream: RequestStream) -> None:
         self.streams[stream.request_id] = stream

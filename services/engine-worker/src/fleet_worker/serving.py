@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
 from fleet_bus.trace_context import is_sampled, remote_context
 from fleet_proto import EmbedTask, TokenChunk
-from fleet_proto.messages import GenerationOutput, WorkerTask
+from fleet_proto.messages import TASK_TTL_S, UNAVAILABLE, GenerationOutput, WorkerTask
 from fleet_runtime.tracing import Tracing, now_ns
 from fleet_worker.disaggregation import DecodeSide, PrefillSide
 from fleet_worker.engines.base import EngineOutput, EngineRequest, KVImport
@@ -52,11 +53,25 @@ class RequestServer:
         self._kv_block_size = kv_block_size
 
     async def on_task(self, task: WorkerTask) -> None:
+        age_s = (time.time_ns() - task.sent_at_ns) / 1e9 if task.sent_at_ns else 0.0
+        if age_s > TASK_TTL_S:  # its gateway gave up long ago (this worker was down meanwhile)
+            log.warning("task %s is %.0f s old: dropped", task.request_id, age_s)
+            error = f"request {task.request_id} waited {age_s:.0f} s for {self._node_id}: dropped"
+            await self._publish(
+                TokenChunk(request_id=task.request_id, index=0, finish_reason="error", error=error)
+            )
+            return
         running = self._instances.get(task.instance_id)
         if running is None or not running.accepting:
             error = f"instance {task.instance_id} is not running on {self._node_id}"
             await self._publish(
-                TokenChunk(request_id=task.request_id, index=0, finish_reason="error", error=error)
+                TokenChunk(
+                    request_id=task.request_id,
+                    index=0,
+                    finish_reason="error",
+                    error=error,
+                    error_kind=UNAVAILABLE,
+                )
             )
             return
         received = now_ns()
@@ -96,6 +111,7 @@ class RequestServer:
                 prompt_token_ids=task.prompt_token_ids,
                 sampling=task.sampling,
                 kv_import=kv_import,
+                generated_token_ids=task.generated_token_ids,
             )
         )
         if stream.trace is not None:
@@ -124,6 +140,13 @@ class RequestServer:
             elif stream.submitted:
                 with contextlib.suppress(Exception):
                     running.engine.cancel(request_id)
+
+    async def move(self, running: RunningInstance, why: str) -> None:
+        """End every stream of the instance with UNAVAILABLE (their gateways resume them elsewhere,
+        from the tokens they already have) and stop their work here."""
+        for stream in list(running.streams.values()):
+            self.cancel(stream.request_id)
+            await stream.end("error", f"{why}: request {stream.request_id} moves on", UNAVAILABLE)
 
     async def run_internal(
         self, running: RunningInstance, request: EngineRequest, timeout_s: float

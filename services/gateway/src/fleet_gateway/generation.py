@@ -13,18 +13,21 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError
 from opentelemetry.trace import get_current_span, set_span_in_context
 
-from fleet_bus import Bus, RequestFailed, StateFollower, StreamBroken, TokenStreamReader
+from fleet_bus import Bus, NoResponders, RequestFailed, StateFollower, StreamBroken, TokenStreamReader
 from fleet_bus.trace_context import traceparent
 from fleet_proto import (
     CancelRequest,
     EmbedTask,
     GenerateTask,
+    LivenessProbe,
+    LivenessReply,
     NodeMetrics,
     PrefillPlan,
     RequestStats,
@@ -33,9 +36,15 @@ from fleet_proto import (
     SamplingParams,
     TokenChunk,
 )
-from fleet_proto.messages import EMBED_TASK, WorkerTask
+from fleet_proto.messages import EMBED_TASK, TASK_TTL_S, UNAVAILABLE, WorkerTask
 from fleet_proto.routing import DEFAULT_DISAGG_MIN_TOKENS, route
-from fleet_proto.subjects import REQUEST_STATS_SUBJECT, ROUTE_SUBJECT, TASK_STREAM, cancel_subject
+from fleet_proto.subjects import (
+    REQUEST_STATS_SUBJECT,
+    ROUTE_SUBJECT,
+    TASK_STREAM,
+    alive_subject,
+    cancel_subject,
+)
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
 from fleet_runtime.tracing import Tracing
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, block_hashes
@@ -45,10 +54,25 @@ log = logging.getLogger("fleet_gateway")
 ROUTE_TIMEOUT_S = 1.0
 # A live worker may be silent this long (a long prefill on a slow CPU); a dead one is noticed by
 # its missing 1 Hz metrics within NODE_SILENCE_S.
-STALL_TIMEOUT_S = 600.0
+STALL_TIMEOUT_S = TASK_TTL_S
 NODE_SILENCE_S = 3.5
-# A task whose worker died before taking it is sent to another instance, at most this many times.
-MAX_REROUTES = 2
+PROBE_TIMEOUT_S = 0.5  # a worker answers its liveness probe from its event loop: at once
+STREAM_POLL_S = 0.5  # a stream without chunks this long asks whether its worker is there
+MAX_MIGRATIONS = 3  # Settings.max_migrations
+
+
+def hop_stream_id(request_id: str, hop: int) -> str:
+    """The id a request's task and token stream have on its hop'th instance: each hop streams on its
+    own subject, so a worker taken for dead that still sends cannot mix its tokens in."""
+    return f"{request_id}-m{hop}" if hop else request_id
+
+
+class Unavailable(Exception):
+    """The instance serving a request cannot finish it (GenerationOutput.error_kind UNAVAILABLE)."""
+
+
+# (route decision, traceparent, the task's request id, tokens generated so far) -> the task to send
+MakeTask = Callable[[RouteReply, str, str, tuple[int, ...]], WorkerTask]
 
 
 class NoInstance(Exception):
@@ -56,9 +80,11 @@ class NoInstance(Exception):
 
 
 class NodeLiveness:
-    """When each node last published its metrics (they come every second)."""
+    """When each node last published its metrics (they come every second), and whether a worker
+    answers when asked (`answers`: a dead one is known at once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bus: Bus | None = None) -> None:
+        self._bus = bus
         self._last_seen: dict[str, float] = {}
         self._latest: dict[str, NodeMetrics] = {}
         self._decoder = msgspec.json.Decoder(NodeMetrics)
@@ -76,6 +102,20 @@ class NodeLiveness:
     def alive(self, node_id: str) -> bool:
         seen = self._last_seen.get(node_id)
         return seen is None or time.monotonic() - seen < NODE_SILENCE_S
+
+    async def answers(self, node_id: str) -> bool:
+        """Ask the worker: NATS answers "no responders" at once when its process is gone (its
+        subscription went with its connection); no answer in time leaves it to the metrics."""
+        if self._bus is None:
+            return self.alive(node_id)
+        try:
+            probe = LivenessProbe(node_id=node_id)
+            await self._bus.request(alive_subject(node_id), probe, LivenessReply, PROBE_TIMEOUT_S)
+        except NoResponders:
+            return False
+        except RequestFailed:
+            return self.alive(node_id)
+        return True
 
 
 @dataclass(frozen=True)
@@ -122,8 +162,10 @@ class Generator:
         tracing: Tracing,
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
+        max_migrations: int = MAX_MIGRATIONS,
     ) -> None:
         self._tracing = tracing
+        self._max_migrations = max_migrations
         self._kv_block_size = kv_block_size
         self._disagg_min_tokens = disagg_min_tokens
         self._bus = bus
@@ -163,17 +205,21 @@ class Generator:
             disaggregate=choice.disaggregate,
         )
 
-        def task(decision: RouteReply, parent: str) -> GenerateTask:
+        def task(
+            decision: RouteReply, parent: str, stream_id: str, generated: tuple[int, ...]
+        ) -> GenerateTask:
             return GenerateTask(
-                request_id=request_id,
+                request_id=stream_id,
                 instance_id=decision.instance_id,
                 prompt_token_ids=tuple(prompt_token_ids),
                 sampling=sampling,
                 block_hashes=hashes,
                 kv_fingerprint=kv_fingerprint,
-                prefill=prefill_plan(decision, choice),
+                # a continuation prefills here: its prompt's KV is in the shared tier by now
+                prefill=None if generated else prefill_plan(decision, choice),
                 traceparent=parent,
                 sent_at_ns=time.time_ns(),
+                generated_token_ids=generated,
             )
 
         async for chunk in self._run(route_request, task):
@@ -189,9 +235,9 @@ class Generator:
             task=EMBED_TASK,
         )
 
-        def task(decision: RouteReply, parent: str) -> EmbedTask:
-            return EmbedTask(
-                request_id=request_id,
+        def task(decision: RouteReply, parent: str, stream_id: str, generated: tuple[int, ...]) -> EmbedTask:
+            return EmbedTask(  # nothing partial to carry over: a moved embedding request runs again
+                request_id=stream_id,
                 instance_id=decision.instance_id,
                 inputs=tuple(inputs),
                 traceparent=parent,
@@ -202,84 +248,106 @@ class Generator:
         return chunks[-1]
 
     async def _run(
-        self, route_request: RouteRequest, make_task: Callable[[RouteReply, str], WorkerTask]
+        self, route_request: RouteRequest, make_task: MakeTask
     ) -> AsyncGenerator[TokenChunk, None]:
         """Route, publish the task, stream its chunks (the last has finish_reason set).
-        A worker that dies before taking the task (it is still in the work queue) does not fail the
-        request: the task is withdrawn from the queue and routed to another node."""
+
+        Migration: when the worker dies (its stream breaks) or its instance cannot finish the request
+        (an UNAVAILABLE error: the engine died, the instance drains), the request is routed again,
+        off that node or instance, and goes on there as a continuation of the tokens this stream
+        already carried (GenerateTask.generated_token_ids): the caller sees one unbroken stream.
+        A hop's task still in a dead worker's queue is withdrawn, so it never runs there later."""
         started = time.monotonic()
         request_id, model_id = route_request.request_id, route_request.model_id
         get_current_span().set_attributes({REQUEST_ID_ATTRIBUTE: request_id, "fleet.model": model_id})
+        decision = await self._routed(route_request)
+        if not decision.instance_id:
+            raise NoInstance(decision.error)
+        generated: list[int] = []  # the tokens this request's stream carried so far, over every hop
+        first_token_at = 0.0
+        for hop in range(self._max_migrations + 1):
+            stream_id = hop_stream_id(request_id, hop)
+            worker = decision.worker_id
+            reader = TokenStreamReader(
+                self._bus,
+                stream_id,
+                STALL_TIMEOUT_S,
+                producer_alive=partial(self._liveness.answers, worker),
+                poll_s=STREAM_POLL_S,
+            )
+            await reader.open()
+            finished, seq = False, 0
+            # publish -> last chunk; the worker's spans hang from it (the task's traceparent)
+            running = self._tracing.start_span(
+                route_request.task, "stream", {"fleet.instance_id": decision.instance_id, "fleet.hop": hop}
+            )
+            try:
+                parent = traceparent(set_span_in_context(running))
+                seq = await self._bus.publish_task(
+                    worker, make_task(decision, parent, stream_id, tuple(generated))
+                )
+                async for chunk in reader.chunks():
+                    if chunk.finish_reason == "error" and chunk.error_kind == UNAVAILABLE:
+                        raise Unavailable(chunk.error)
+                    finished = bool(chunk.finish_reason)
+                    generated.extend(chunk.token_ids)
+                    if chunk.token_ids and not first_token_at:
+                        first_token_at = time.monotonic()
+                    if finished:  # before the last chunk goes out: a streaming reader stops at it
+                        await self._publish_stats(
+                            route_request, decision, started, first_token_at, chunk, hop
+                        )
+                    yield chunk
+                return
+            except (StreamBroken, Unavailable) as exc:
+                why = str(exc)
+                running.set_attribute("fleet.moved", why)
+            finally:
+                running.end()
+                try:
+                    if not finished:  # client gone or stream broken: stop the engine's work too
+                        with contextlib.suppress(Exception):
+                            await asyncio.shield(self._cancel(stream_id))
+                finally:  # even when cancelled again while cancelling: no subscription outlives its request
+                    await asyncio.shield(reader.close())
+            dead = not await self._liveness.answers(worker)
+            if seq:  # a dead worker's queue may still hold it: it must not run when that worker is back
+                await self._withdraw(seq)
+            route_request = msgspec.structs.replace(
+                route_request,
+                avoid_nodes=(*route_request.avoid_nodes, worker) if dead else route_request.avoid_nodes,
+                avoid_instances=(*route_request.avoid_instances, decision.instance_id),
+            )
+            if hop == self._max_migrations:
+                raise StreamBroken(f"request {request_id} was moved {hop} times; then {why}")
+            moved_from = decision
+            decision = await self._routed(route_request)
+            if not decision.instance_id:
+                raise StreamBroken(
+                    f"{why}; no other instance can take request {request_id}: {decision.error}"
+                )
+            log.warning(
+                "request %s moved off %s %s after %d tokens (%s) to %s %s",
+                request_id, moved_from.worker_id, moved_from.instance_id, len(generated), why,
+                decision.worker_id, decision.instance_id,
+            )  # fmt: skip
+
+    async def _routed(self, route_request: RouteRequest) -> RouteReply:
         with self._tracing.span(
             "route", "route", {"fleet.prompt_tokens": route_request.prompt_tokens}
         ) as span:
             decision = await self._route(route_request)
             span.set_attributes(decision_attributes(decision))
-        if not decision.instance_id:
-            raise NoInstance(decision.error)
-        target = [decision.worker_id]  # the worker the task is with now (re-routing changes it)
-        reader = TokenStreamReader(
-            self._bus, request_id, STALL_TIMEOUT_S, producer_alive=lambda: self._liveness.alive(target[0])
-        )
-        await reader.open()
-        finished = False
-        first_token_at = 0.0
-        # publish -> last chunk; the worker's spans hang from it (the task's traceparent)
-        running = self._tracing.start_span(
-            route_request.task, "stream", {"fleet.instance_id": decision.instance_id}
-        )
-        try:
-            for attempt in range(MAX_REROUTES + 1):
-                task = make_task(decision, traceparent(set_span_in_context(running)))
-                seq = await self._bus.publish_task(decision.worker_id, task)
-                received = False
-                try:
-                    async for chunk in reader.chunks():
-                        received = True
-                        finished = bool(chunk.finish_reason)
-                        if chunk.token_ids and not first_token_at:
-                            first_token_at = time.monotonic()
-                        if finished:  # before the last chunk goes out: a streaming reader stops at it
-                            await self._publish_stats(route_request, decision, started, first_token_at, chunk)
-                        yield chunk
-                    return
-                except StreamBroken:
-                    dead = decision.worker_id
-                    if received or attempt == MAX_REROUTES or self._liveness.alive(dead):
-                        raise
-                    if not await self._withdraw(seq):  # the worker took it before dying: it ran there
-                        raise
-                route_request = msgspec.structs.replace(
-                    route_request, avoid_nodes=(*route_request.avoid_nodes, dead)
-                )
-                decision = await self._route(route_request)
-                if not decision.instance_id:
-                    raise StreamBroken(
-                        f"the worker for request {request_id} died before starting it, and {decision.error}"
-                    )
-                log.warning(
-                    "request %s: worker %s died before taking the task; re-routed to %s",
-                    request_id, dead, decision.worker_id,
-                )  # fmt: skip
-                target[0] = decision.worker_id
-        finally:
-            running.end()
-            try:
-                if not finished:  # client gone or stream broken: stop the engine's work too
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(
-                            self._bus.publish(
-                                cancel_subject(request_id), CancelRequest(request_id=request_id)
-                            )
-                        )
-            finally:  # even when cancelled again while cancelling: no subscription outlives its request
-                await asyncio.shield(reader.close())
+        return decision
+
+    async def _cancel(self, stream_id: str) -> None:
+        await self._bus.publish(cancel_subject(stream_id), CancelRequest(request_id=stream_id))
 
     async def _withdraw(self, seq: int) -> bool:
         """Take a task back from its work queue; False when it is gone (a worker acked it: started)."""
         try:
             return bool(await self._bus.js.delete_msg(TASK_STREAM.name, seq))
-        except NotFoundError:
+        except APIError:  # not found (taken; nats-server says so with a 500 "no message found")
             return False
 
     async def _publish_stats(
@@ -289,6 +357,7 @@ class Generator:
         started: float,
         first_token_at: float,
         last: TokenChunk,
+        migrations: int,
     ) -> None:
         """Timings for the metrics-collector (from routing to the gateway seeing the tokens)."""
         now = time.monotonic()
@@ -308,6 +377,7 @@ class Generator:
             prefix_cached_tokens=last.prefix_cached_tokens,
             task=route_request.task,
             inputs=len(last.embeddings),
+            migrations=migrations,
         )
         with contextlib.suppress(Exception):  # stats are advisory: never fail a request over them
             await self._bus.publish(REQUEST_STATS_SUBJECT, stats)

@@ -48,7 +48,7 @@ REDIS_SOCKET_TIMEOUT_S = 2.0
 async def main(ctx: ServiceContext) -> None:
     store = ObjectStore.from_settings(ctx.settings)
     await asyncio.to_thread(store.check)
-    liveness = NodeLiveness()
+    liveness = NodeLiveness(ctx.bus)
     metrics_sub = await ctx.bus.nc.subscribe(ALL_METRICS_SUBJECT, cb=liveness.on_metrics)
     catalog = ModelCatalog(store, Path(ctx.settings.state_dir) / "gateway" / "tokenizers")
     generator = Generator(
@@ -58,6 +58,7 @@ async def main(ctx: ServiceContext) -> None:
         ctx.tracing,
         ctx.settings.kv_block_size,
         ctx.settings.disagg_min_tokens,
+        ctx.settings.max_migrations,
     )
 
     settings = ctx.settings

@@ -48,6 +48,8 @@ class RequestStatsLike(Protocol):
     def task(self) -> str: ...
     @property
     def inputs(self) -> int: ...
+    @property
+    def migrations(self) -> int: ...
 
 
 class NodeCollector(Collector):
@@ -174,6 +176,12 @@ class FleetMetrics:
         self.requests = Counter(
             "fleet_requests", "Requests finished, by finish reason.", ["model", "finish_reason"], registry=r
         )
+        self.migrations = Counter(
+            "fleet_request_migrations",
+            "Times a request moved to another instance because its worker died or drained.",
+            ["model"],
+            registry=r,
+        )
         self.prefix_hit = Gauge(
             "fleet_prefix_cache_hit_ratio",
             "Prompt tokens served from the prefix cache / all prompt tokens, over all requests.",
@@ -202,6 +210,8 @@ class FleetMetrics:
             return
         model = stats.model_id
         self.requests.labels(model, stats.finish_reason or "unknown").inc()
+        if stats.migrations > 0:
+            self.migrations.labels(model).inc(stats.migrations)
         self.duration.observe(max(stats.total_s, 0.0))
         if stats.prompt_tokens > 0:
             self.prompt.labels(model).inc(stats.prompt_tokens)

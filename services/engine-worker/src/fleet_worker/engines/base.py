@@ -10,6 +10,14 @@ ends with an "error" output at the next step(). Every added request gets exactly
 token id (its log-probability and the k most likely tokens').
 Disaggregation: a request with `export` is prefilled only and its KV written as handoff chunks;
 one with `kv_import` decodes from such chunks (engines without it refuse the request).
+Migration: a request with `generated_token_ids` (g, n tokens) continues one that another instance
+began. The context is prompt + g (the prompt's KV may come from caches, g's is computed); outputs
+count the whole request (prompt_tokens the prompt's, completion_tokens from n, token_ids only new
+tokens, logprobs only theirs); max_tokens and min_tokens count g (n >= max_tokens: "length" at once,
+no tokens). Sampling goes on as if the engine had sampled g itself: penalties count g as
+completion, a grammar has accepted g (one that refuses g ends the request with an error), Fleet's
+seeded draws are n keys on (skip_draws): greedy and seeded runs give the uninterrupted run's tokens
+(vLLM's seeded draws and grammars cannot be resumed: vllm/sampling.py says what it does instead).
 Engines are named in a lazy registry so the worker never imports an engine it does not run; an
 entry also names the environment its engine needs before its module is imported (vLLM reads its
 settings at import). Constructors take the model folder, `on_load_progress(done, total)` (layers
@@ -22,6 +30,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -74,6 +83,14 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     # vector, nothing is generated; prompt_token_ids is empty. Its one final output carries the
     # vectors (GenerationOutput.embeddings) and the inputs' tokens as prompt_tokens.
     embed_inputs: tuple[tuple[int, ...], ...] = ()
+    # A migrated request's tokens so far (GenerateTask.generated_token_ids): the engine continues
+    # after them with the sampling state they left (the module's "Migration"; never with a handoff).
+    generated_token_ids: tuple[int, ...] = ()
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        """What the model reads before its next token: the prompt, then any tokens generated so far."""
+        return self.prompt_token_ids + self.generated_token_ids
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -284,9 +301,19 @@ def request_problem(request: EngineRequest, vocab_size: int) -> str:
     """Why the request cannot run, or "" when it can (every engine refuses the same things)."""
     params = request.sampling
     outside = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
+    generated = next((t for t in request.generated_token_ids if not 0 <= t < vocab_size), None)
+    handed = request.export is not None or request.kv_import is not None
     checks = [
         (not request.prompt_token_ids, "empty prompt"),
         (outside is not None, f"prompt token id {outside} is outside the vocabulary of {vocab_size}"),
+        (
+            generated is not None,
+            f"generated token id {generated} is outside the vocabulary of {vocab_size}",
+        ),
+        (
+            bool(request.generated_token_ids) and handed,
+            "a continuation (generated_token_ids) is not handed over: no export or kv_import",
+        ),
         (params.max_tokens < 1, f"max_tokens must be at least 1, got {params.max_tokens}"),
         (params.temperature < 0, f"temperature must be >= 0, got {params.temperature}"),
         (not 0 < params.top_p <= 1, f"top_p must be in (0, 1], got {params.top_p}"),
@@ -324,6 +351,39 @@ def embed_problem(request: EngineRequest, vocab_size: int, max_tokens: int) -> s
 
 
 INVALID_REQUEST = "invalid_request"  # GenerationOutput.error_kind of a request that is itself wrong
+
+
+class ResumeError(ValueError):
+    """A continuation's generated tokens cannot be the request's own: its grammar refuses them (not
+    the client's fault: another engine produced them)."""
+
+
+RESUME_REFUSED = "the tokens generated so far do not fit the request's structured output"
+
+KEY_BITS = 63  # Fleet's samplers draw a token at temperature > 0 with the key draws.getrandbits(KEY_BITS)
+
+
+def skip_draws(draws: random.Random, params: SamplingParams, tokens: int) -> random.Random:
+    """`draws` past the keys of `tokens` sampled tokens (a continuation's generated_token_ids): one
+    key per token at temperature > 0, none at 0. Returns `draws`."""
+    if params.temperature > 0:
+        for _ in range(tokens):
+            draws.getrandbits(KEY_BITS)
+    return draws
+
+
+def spent_output(request: EngineRequest) -> EngineOutput | None:
+    """The final output of a continuation whose generated tokens already reach max_tokens ("length",
+    no tokens), or None when it has tokens left to generate."""
+    generated = len(request.generated_token_ids)
+    if generated < request.sampling.max_tokens:
+        return None
+    return EngineOutput(
+        request_id=request.request_id,
+        finish_reason="length",
+        prompt_tokens=len(request.prompt_token_ids),
+        completion_tokens=generated,
+    )
 
 
 def error_output(request: EngineRequest, problem: str, kind: str = "") -> EngineOutput:

@@ -1,5 +1,6 @@
 """The echo engine: no model at all. Each step gives every running request its next token, the
-prompt's tokens in turn, until max_tokens (end-of-sequence tokens do not stop it).
+prompt's tokens in turn, until max_tokens (end-of-sequence tokens do not stop it): token k of the
+completion is prompt[k % len(prompt)], so a continuation with n generated tokens goes on from k = n.
 
 It exists to measure what Fleet itself costs — gateway, bus, scheduler, worker, streaming — with
 the engine's own time near zero (`fleet bench control-plane`), and to serve exact token counts in
@@ -22,13 +23,14 @@ from fleet_worker.engines.base import (
     LoadProgress,
     error_output,
     request_problem,
+    spent_output,
 )
 
 
 class _Echo:
     def __init__(self, request: EngineRequest) -> None:
         self.request = request
-        self.generated = 0
+        self.generated = len(request.generated_token_ids)
         self.started = time.perf_counter()
 
 
@@ -49,6 +51,8 @@ class EchoEngine:
             problem = "the echo engine moves no KV (no disaggregation)"
         if problem:
             self._done.append(error_output(request, problem))
+        elif (spent := spent_output(request)) is not None:
+            self._done.append(spent)
         else:
             self._running[request.request_id] = _Echo(request)
 

@@ -5,7 +5,8 @@ mask, stop tokens barred before min_tokens, logit_bias, then the repetition pena
 completion), frequency and presence penalties (completion). Then log-softmax, top_p, min_p and top_k
 filters on the untempered log-probabilities (mlx-lm's order), and a draw at the temperature;
 temperature 0 is argmax. Every draw takes a key from the request's own random.Random(seed), so a
-seeded request gives the same tokens on every run.
+seeded request gives the same tokens on every run, and a continuation (`resume`) the same tokens as
+the run it continues.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from fleet_proto import SamplingParams
 from fleet_proto.messages import TokenLogprob
+from fleet_worker.engines.base import KEY_BITS, skip_draws
 from fleet_worker.engines.grammar import TokenConstraint
 
 
@@ -96,7 +98,7 @@ class RequestSampler:
         if self.params.temperature == 0:
             return int(np.argmax(logprobs))
         scaled = filtered(logprobs, self.params) / self.params.temperature
-        gumbel = np.random.default_rng(self._draws.getrandbits(63)).gumbel(size=scaled.shape)
+        gumbel = np.random.default_rng(self._draws.getrandbits(KEY_BITS)).gumbel(size=scaled.shape)
         return int(np.argmax(scaled + gumbel))  # Gumbel-max: a draw from softmax(scaled)
 
     def accept(self, token: int) -> bool:
@@ -105,6 +107,12 @@ class RequestSampler:
         self._seen[token] = True
         self._counts[token] += 1
         return self.constraint is None or self.constraint.accept(token)
+
+    def resume(self, tokens: Sequence[int]) -> bool:
+        """Take a continuation's generated tokens as if sampled here: each accepted, its draw skipped.
+        False when the grammar refuses one."""
+        skip_draws(self._draws, self.params, len(tokens))
+        return all(self.accept(token) for token in tokens)
 
 
 def token_logprob(logprobs: np.ndarray, token: int, k: int) -> TokenLogprob:

@@ -14,6 +14,12 @@ batch of decode rows and prompt chunks on the decode context (forward.py); sampl
 Stop, usage and timings follow the MLX engine: a request stops at an end-of-generation token of the
 vocabulary (llama_vocab_is_eog), an EOS id of the model folder's config, or one of its
 stop_token_ids; token_ids never hold that token, completion_tokens counts it.
+
+A continuation (EngineRequest.generated_token_ids) prefills its prompt as any prompt (apart, from a
+slot's prefix) and its generated tokens on the decode weights, where the run it continues computed
+them; its sampler takes them as its own (RequestSampler.resume), so greedy and seeded runs go on
+with the tokens the uninterrupted run gives (up to the rounding of a batched prefill, as for any
+prompt).
 """
 
 from __future__ import annotations
@@ -29,14 +35,17 @@ from fleet_proto import SamplingParams
 from fleet_store.handoff import HandoffWriter
 from fleet_worker.engines.base import (
     INVALID_REQUEST,
+    RESUME_REFUSED,
     EngineOutput,
     EngineRequest,
     KVChanges,
     LoadProgress,
+    ResumeError,
     eos_token_ids,
     error_output,
     physical_cores,
     request_problem,
+    spent_output,
 )
 from fleet_worker.engines.grammar import GRAMMAR_WAIT_S, GrammarError, Grammars
 from fleet_worker.engines.llamacpp.context import (
@@ -181,7 +190,10 @@ class LlamaCppEngine:
         if problem:
             self._pending.append(error_output(request, problem))
             return
-        sequence = LlamaSequence(request=request)
+        if (spent := spent_output(request)) is not None:
+            self._pending.append(spent)
+            return
+        sequence = LlamaSequence(request=request, generated=len(request.generated_token_ids))
         if request.sampling.structured is not None and request.export is None:
             self._grammars.start(request.sampling.structured)
         if forced >= 0:  # already sent: it counts, and the model reads it after the prompt
@@ -259,8 +271,11 @@ class LlamaCppEngine:
                 return False
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         prompt = request.prompt_token_ids
-        sequence.sampler = RequestSampler(params, self.vocab_size, prompt, stops, constraint)
-        if sequence.forced >= 0 and not sequence.sampler.accept(sequence.forced):
+        sampler = RequestSampler(params, self.vocab_size, prompt, stops, constraint)
+        if not sampler.resume(request.generated_token_ids):
+            raise ResumeError(RESUME_REFUSED)
+        sequence.sampler = sampler
+        if sequence.forced >= 0 and not sampler.accept(sequence.forced):
             log.warning("request %s: the handed-over first token breaks its grammar", request.request_id)
         return True
 
@@ -270,17 +285,18 @@ class LlamaCppEngine:
             try:
                 if self._ready(sequence):
                     return sequence
-            except GrammarError as error:
+            except (GrammarError, ResumeError) as error:
                 self._waiting.remove(sequence)
                 self._end(sequence)
+                kind = INVALID_REQUEST if isinstance(error, GrammarError) else ""
                 self._pending.append(
-                    sequence.output(finish_reason="error", error=str(error), error_kind=INVALID_REQUEST)
+                    sequence.output(finish_reason="error", error=str(error), error_kind=kind)
                 )
         return None
 
     def _admit(self) -> None:
         while (sequence := self._next_ready()) is not None:
-            chosen = self._slots.choose(sequence.request.prompt_token_ids)
+            chosen = self._slots.choose(sequence.context)
             if chosen is None:
                 return
             slot, reuse = chosen
@@ -299,7 +315,8 @@ class LlamaCppEngine:
                 reuse = 0
             self._slots.take(slot, reuse, sequence.reserved)
             sequence.slot, sequence.fed = slot, reuse
-            sequence.cached_tokens = 0 if imported else reuse  # handed over, not cached
+            # handed over, not cached; of the prompt (a continuation's generated tokens are not)
+            sequence.cached_tokens = 0 if imported else min(reuse, len(sequence.request.prompt_token_ids))
             sequence.apart = (
                 self._prefill is not None and sequence.apart_until - reuse >= self.prefill_apart_min_tokens
             )
@@ -376,7 +393,7 @@ class LlamaCppEngine:
         return EngineOutput(
             request_id=sequence.request.request_id,
             prompt_tokens=len(sequence.request.prompt_token_ids),
-            prefilled_tokens=sequence.fed,
+            prefilled_tokens=min(sequence.fed, len(sequence.request.prompt_token_ids)),
             prefix_cached_tokens=sequence.cached_tokens,
         )
 

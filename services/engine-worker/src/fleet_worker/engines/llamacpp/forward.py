@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cached_property
 
 import llama_cpp
 
@@ -26,24 +27,31 @@ from fleet_worker.engines.numpy_sampling import RequestSampler
 class LlamaSequence(RequestProgress):
     sampler: RequestSampler | None = None  # made at admission, once its grammar (if any) is compiled
     slot: Slot | None = None
-    fed: int = 0  # prompt tokens in the KV cache (the prompt is prefilled from here)
+    fed: int = 0  # context tokens in the KV cache (the context is prefilled from here)
     pending: int = -1  # the last sampled token, to be fed on the next step
     admitted_at: float = 0.0
     apart: bool = False  # being prefilled in the prefill context
     started_apart: bool = False  # its reused prefix is in the prefill context
     forced: int = -1  # the first token, sampled by the prefill engine: pending once the prompt is in
 
+    @cached_property
+    def context(self) -> tuple[int, ...]:
+        """The tokens fed before the first sampled one: the prompt, then a continuation's generated
+        tokens (`fed` counts into these)."""
+        return self.request.context
+
     @property
     def apart_until(self) -> int:
-        """Prompt tokens the prefill context feeds: all but the last, whose logits the decode
-        weights give."""
+        """Tokens the prefill context feeds: all of the prompt's but the last, whose logits the decode
+        weights give (a continuation's generated tokens too: the run it continues computed their KV
+        on the decode weights)."""
         return len(self.request.prompt_token_ids) - 1
 
     @property
     def feed_until(self) -> int:
-        """Prompt tokens to feed: all of them, or all but the last for a prefill-only request."""
-        prompt = len(self.request.prompt_token_ids)
-        return prompt - 1 if self.request.export is not None else prompt
+        """Context tokens to feed: all of them, or all but the last for a prefill-only request."""
+        context = len(self.context)
+        return context - 1 if self.request.export is not None else context
 
     @property
     def reserved(self) -> int:
@@ -80,16 +88,16 @@ def fill_decode_batch(
         if sequence.pending >= 0:
             add(sequence, sequence.pending, True)
     for sequence in running:
-        prompt, until = sequence.request.prompt_token_ids, sequence.feed_until
+        context, until = sequence.context, sequence.feed_until
         if sequence.pending >= 0 or sequence.apart or sequence.fed >= until:
             continue
         take = min(until - sequence.fed, n_batch - n)
         if take <= 0:
             break
         for i in range(sequence.fed, sequence.fed + take):
-            add(sequence, prompt[i], i == len(prompt) - 1 and sequence.forced < 0)
+            add(sequence, context[i], i == len(context) - 1 and sequence.forced < 0)
         sequence.fed += take
-        if sequence.fed == len(prompt) and sequence.forced >= 0:
+        if sequence.fed == len(context) and sequence.forced >= 0:
             # the first token the prefill sampled is fed next step, as a sampled one would be:
             # the same batches as a cold run, so the same tokens
             sequence.pending, sequence.forced = sequence.forced, -1

@@ -22,6 +22,11 @@ candidates sit within float rounding of each other may then differ. Greedy reque
 batched argmax. The logit rules (grammar, min_tokens, logit_bias, penalties: sampling.py) are a
 logits processor of each request that asks for any.
 
+A continuation (EngineRequest.generated_token_ids) prefills its prompt and generated tokens as one
+prompt (its context: prefix caches included), its sampler and rules start where they left off
+(sampling.py) and mlx-lm counts only the tokens left to max_tokens. Its tokens are the
+uninterrupted run's, up to the rounding of a prefill against decode steps (as for batching above).
+
 Stop: a request stops at one of its stop_token_ids or one of the model's EOS ids (config.json,
 generation_config.json, tokenizer). Like vLLM's text, token_ids never contain that stop token; like
 vLLM's usage, completion_tokens counts it (it was generated). Output timings are cumulative.
@@ -56,9 +61,11 @@ from fleet_worker.engines.base import (
     Lockstep,
     PrefillProgress,
     RequestProgress,
+    ResumeError,
     eos_token_ids,
     error_output,
     request_problem,
+    spent_output,
 )
 from fleet_worker.engines.cpu_blas import optimised_blas_loaded
 from fleet_worker.engines.grammar import GRAMMAR_WAIT_S, GrammarError, Grammars
@@ -195,11 +202,16 @@ class MlxEngine:
         if request.export is not None:
             self._disagg.queue(request)
             return
-        params = request.sampling
-        stop, sampler = self._sampling.stop(params), self._sampling.sampler(params)
+        if (spent := spent_output(request)) is not None:
+            self._pending.append(spent)
+            return
+        params, generated = request.sampling, len(request.generated_token_ids)
+        stop, sampler = self._sampling.stop(params), self._sampling.sampler(params, generated)
         if params.structured is not None:
             self._grammars.start(params.structured)
-        sequence = _Sequence(self._next_uid, sampler, stop, request=request, fallback=fallback)
+        sequence = _Sequence(
+            self._next_uid, sampler, stop, request=request, fallback=fallback, generated=generated
+        )
         self._next_uid += 1
         self._live[request.request_id] = sequence
         self._waiting.append(sequence)
@@ -254,7 +266,9 @@ class MlxEngine:
             constraint = self._grammars.constraint(params.structured)
             if constraint is None:
                 return False
-        sequence.processors = self._sampling.processors(params, request.prompt_token_ids, constraint)
+        sequence.processors = self._sampling.processors(
+            params, request.prompt_token_ids, constraint, request.generated_token_ids
+        )
         return True
 
     def _take_ready(self, room: int, outputs: list[EngineOutput]) -> list[_Sequence]:
@@ -268,11 +282,10 @@ class MlxEngine:
                 if not self._ready(sequence):
                     continue
                 ready.append(sequence)
-            except GrammarError as error:
+            except (GrammarError, ResumeError) as error:
                 self._live.pop(sequence.request.request_id, None)
-                outputs.append(
-                    sequence.output(finish_reason="error", error=str(error), error_kind=INVALID_REQUEST)
-                )
+                kind = INVALID_REQUEST if isinstance(error, GrammarError) else ""
+                outputs.append(sequence.output(finish_reason="error", error=str(error), error_kind=kind))
             self._waiting.remove(sequence)
         return ready
 
@@ -352,20 +365,21 @@ class MlxEngine:
         return outputs
 
     def _prefill(self, group: list[_Sequence]) -> GenerationBatch:
+        """Prefill each sequence's context (its prompt, then a continuation's generated tokens)."""
         caches, history, rest = [], [], []
-        limits = self._stepping.reusable_limits([s.request.prompt_token_ids for s in group], self._prefixes)
+        limits = self._stepping.reusable_limits([s.request.context for s in group], self._prefixes)
         for sequence, limit in zip(group, limits, strict=True):
-            prompt = list(sequence.request.prompt_token_ids)
+            context = list(sequence.request.context)
             imported = self._disagg.imported_cache(sequence) if sequence.request.kv_import else None
             cache, hit = make_prompt_cache(self.model), 0
             if imported is not None:
                 cache, hit = imported
             elif self._prefixes is not None:
-                cache, hit = self._prefixes.cache_for(prompt, self._dtype, limit)
-                sequence.cached_tokens = hit
+                cache, hit = self._prefixes.cache_for(context, self._dtype, limit)
+                sequence.cached_tokens = min(hit, len(sequence.request.prompt_token_ids))
             caches.append(cache)
-            history.append(prompt[:hit])
-            rest.append(prompt[hit:])
+            history.append(context[:hit])
+            rest.append(context[hit:])
         prompts = PromptProcessingBatch(
             self.model,
             [s.uid for s in group],
@@ -376,29 +390,30 @@ class MlxEngine:
             fallback_sampler=self._sampling.greedy,
             logits_processors=[s.processors for s in group],
             stop_sequences=[s.stop for s in group],
-            max_tokens=[s.request.sampling.max_tokens for s in group],
+            max_tokens=[s.request.sampling.max_tokens - len(s.request.generated_token_ids) for s in group],
         )
         # All prompt tokens but the last fill the cache; the last one's logits give the first token.
         self._fill(prompts, group, [r[:-1] for r in rest])
         if self._prefixes is not None:
             for i, sequence in enumerate(group):
-                prompt_ids = sequence.request.prompt_token_ids
-                if self._prefixes.has_new_blocks(prompt_ids):  # extracting copies the sequence's whole KV
-                    self._prefixes.store(prompts.extract_cache(i), prompt_ids)
+                context_ids = sequence.request.context
+                if self._prefixes.has_new_blocks(context_ids):  # extracting copies the sequence's whole KV
+                    self._prefixes.store(prompts.extract_cache(i), context_ids)
         return prompts.generate([r[-1:] for r in rest])
 
     def _fill(self, prompts: PromptProcessingBatch, group: list[_Sequence], todo: list[list[int]]) -> None:
         """Feed the prompts one prefill_step_size chunk per call, as mlx-lm's BatchGenerator does (a
-        row with nothing left in a chunk is all padding), reporting each unfinished prompt's progress."""
+        row with nothing left in a chunk is all padding), reporting each unfinished prompt's progress
+        (a continuation's while its prompt, not yet its generated tokens, is being fed)."""
         step = self.prefill_step_size
         for start in range(0, max(map(len, todo)), step):
             prompts.prompt([tokens[start : start + step] for tokens in todo])
             if self._on_prefill_progress is None:
                 continue
             for sequence, tokens in zip(group, todo, strict=True):
-                if start + step < len(tokens):
-                    prompt_tokens = len(sequence.request.prompt_token_ids)
-                    prefilled = prompt_tokens - len(tokens) - 1 + start + step
+                prompt_tokens = len(sequence.request.prompt_token_ids)
+                prefilled = len(sequence.request.context) - len(tokens) - 1 + start + step
+                if start + step < len(tokens) and prefilled < prompt_tokens:
                     self._on_prefill_progress(
                         EngineOutput(
                             request_id=sequence.request.request_id,

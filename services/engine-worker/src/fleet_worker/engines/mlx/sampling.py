@@ -4,7 +4,8 @@ an mlx-lm logits processor (numpy_sampling.RequestSampler is the same rules for 
 The rules are vLLM's, in its order: the grammar's mask, stop tokens barred before min_tokens,
 logit_bias, the repetition penalty (prompt and completion), frequency and presence penalties
 (completion). Penalties and bias stay lazy MLX operations; only a grammar reads the last token on
-the host (its matcher must see it), for the rows that have one.
+the host (its matcher must see it), for the rows that have one. A continuation's sampler starts past
+the keys its generated tokens drew, and its rules have counted and accepted them (LogitRules.resume).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sa
 
 from fleet_proto import SamplingParams
 from fleet_proto.messages import TokenLogprob
+from fleet_worker.engines.base import KEY_BITS, RESUME_REFUSED, ResumeError, skip_draws
 from fleet_worker.engines.grammar import TokenConstraint
 
 Sampler = Callable[[mx.array], mx.array]
 
 
-def make_seeded_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
-    """mlx-lm's sampler chain, drawing with keys from the request's own seeded generator."""
+def make_seeded_sampler(params: SamplingParams, vocab_size: int, drawn: int = 0) -> Sampler:
+    """mlx-lm's sampler chain, drawing with keys from the request's own seeded generator, past the
+    keys of `drawn` tokens (a continuation's generated ones)."""
     if params.temperature == 0:
         return greedy_sampler
     filters: list[Sampler] = []
@@ -36,13 +39,13 @@ def make_seeded_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
         filters.append(lambda x: apply_min_p(x, params.min_p))
     if 0 < params.top_k < vocab_size:
         filters.append(lambda x: apply_top_k(x, params.top_k))
-    draws = random.Random(params.seed)  # seed None: seeded from os.urandom
+    draws = skip_draws(random.Random(params.seed), params, drawn)  # seed None: from os.urandom
     inverse_temperature = 1.0 / params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
         for apply in filters:
             logprobs = apply(logprobs)
-        key = mx.random.key(draws.getrandbits(63))
+        key = mx.random.key(draws.getrandbits(KEY_BITS))
         return mx.random.categorical(logprobs * inverse_temperature, key=key)
 
     return sample
@@ -74,7 +77,8 @@ def needs_rules(params: SamplingParams) -> bool:
 
 class LogitRules:
     """One request's logit rules as an mlx-lm logits processor: called once per token it samples, with
-    the tokens so far (the prompt, then each token fed back); the call count says how many it made."""
+    the tokens so far (the prompt, then each token fed back); the call count (after the tokens a
+    continuation resumed from) says how many it made."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class LogitRules:
         constraint: TokenConstraint | None = None,
     ) -> None:
         self.params, self.constraint, self.calls = params, constraint, 0
+        self.resumed = 0  # a continuation's generated tokens, counted before the first call
         stops = sorted({t for t in stop_token_ids if 0 <= t < vocab_size})
         self._stops = np.array(stops, dtype=np.int64)
         self._barred = None  # added to the logits: -inf at the stop tokens
@@ -103,6 +108,16 @@ class LogitRules:
         self._seen = self._seen.at[token].add(1.0)
         self._counts = self._counts.at[token].add(1.0)
 
+    def resume(self, generated: Sequence[int]) -> bool:
+        """Count a continuation's generated tokens as this request's completion (before the first
+        call, which then sees the last of them end `tokens`); False when the grammar refuses one."""
+        if generated:
+            ids = mx.array(list(generated))
+            self._seen = self._seen.at[ids].add(1.0)
+            self._counts = self._counts.at[ids].add(1.0)
+        self.resumed = len(generated)
+        return self.constraint is None or all(self.constraint.accept(t) for t in generated)
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         params = self.params
         if self.calls:  # the token sampled on the previous call was fed back: it ends `tokens`
@@ -111,7 +126,7 @@ class LogitRules:
             if self.constraint is not None:
                 self.constraint.accept(int(last.item()))
         self.calls += 1
-        generated = self.calls - 1
+        generated = self.resumed + self.calls - 1
         allowed = self.constraint.allowed() if self.constraint is not None else None
         if allowed is not None:
             logits = mx.where(mx.array(allowed), logits, -mx.inf)
@@ -143,10 +158,11 @@ class RequestSampling:
         self.greedy = share(greedy_sampler)  # one object: greedy rows share one batched call
         self._eos_stop = StopSequences([[t] for t in sorted(eos_token_ids)])
 
-    def sampler(self, params: SamplingParams) -> Sampler:
+    def sampler(self, params: SamplingParams, drawn: int = 0) -> Sampler:
+        """The request's sampler; `drawn`: the tokens a continuation generated before (their keys)."""
         if params.temperature == 0:
             return self.greedy
-        return self._share(make_seeded_sampler(params, self.vocab_size))
+        return self._share(make_seeded_sampler(params, self.vocab_size, drawn))
 
     def stop(self, params: SamplingParams) -> StopSequences:
         if not (params.stop_token_ids or params.ignore_eos):
@@ -155,10 +171,18 @@ class RequestSampling:
         return StopSequences([[t] for t in sorted(eos | set(params.stop_token_ids))])
 
     def processors(
-        self, params: SamplingParams, prompt: Sequence[int], constraint: TokenConstraint | None
+        self,
+        params: SamplingParams,
+        prompt: Sequence[int],
+        constraint: TokenConstraint | None,
+        generated: Sequence[int] = (),
     ) -> list[Any]:
-        """The request's logits processors: its LogitRules when it asks for any rule."""
+        """The request's logits processors: its LogitRules when it asks for any rule, having taken a
+        continuation's `generated` tokens; ResumeError when its grammar refuses them."""
         if not needs_rules(params):
             return []
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        return [LogitRules(params, self.vocab_size, prompt, stops, constraint)]
+        rules = LogitRules(params, self.vocab_size, prompt, stops, constraint)
+        if not rules.resume(generated):
+            raise ResumeError(RESUME_REFUSED)
+        return [rules]

