@@ -23,6 +23,7 @@ class FakeEngine:
         self.submitted: list[EngineRequest] = []
         self.cancelled: list[str] = []
         self.exit_reason = ""
+        self.max_batch_size = 8
         self.on_kv_changes: Callable | None = None
         self.stopped = False
         self._pid = pid

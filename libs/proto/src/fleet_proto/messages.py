@@ -225,6 +225,16 @@ class RequestStats(Frozen):
     task: str = GENERATE_TASK  # RouteRequest.task
     inputs: int = 0  # an embedding request's inputs (vectors returned)
     migrations: int = 0  # times it moved to another instance (its worker died or drained)
+    queued_s: float = 0.0  # waited for room (every instance of its model was full): in ttft_s too
+
+
+class AdmissionSample(Frozen):
+    """A gateway's admission queue, about once a second on core NATS (metrics-collector)."""
+
+    gateway_id: str
+    at: float
+    waiting: dict[str, int] = {}  # model id -> requests waiting for room
+    refused: dict[str, int] = {}  # reason -> requests refused since the gateway started
 
 
 class LivenessProbe(Frozen):
@@ -255,6 +265,8 @@ class NodeMetrics(Frozen):
     disk_free_bytes: int
     # instance_id -> requests running in it now: the scheduler's load signal
     active_requests: dict[str, int] = {}
+    # instance_id -> requests its engine runs at once (more wait in its queue): admission's capacity
+    request_slots: dict[str, int] = {}
     # instance_id -> tokens in its running requests (prompt + generated) and in its queue
     running_tokens: dict[str, int] = {}
     queued_tokens: dict[str, int] = {}

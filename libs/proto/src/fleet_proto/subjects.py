@@ -13,6 +13,7 @@ import msgspec
 from fleet_proto.commands import COMMAND_TYPES
 from fleet_proto.events import EVENT_TYPES
 from fleet_proto.messages import (
+    AdmissionSample,
     CancelRequest,
     EmbedTask,
     GenerateTask,
@@ -131,6 +132,7 @@ CANCEL_SUBJECT = "fleet.cancel.{request_id}"
 PREFILL_SUBJECT = "fleet.prefill.{worker_id}"
 METRICS_SUBJECT = "fleet.metrics.{node_id}"
 ALIVE_SUBJECT = "fleet.alive.{node_id}"
+ADMISSION_SUBJECT = "fleet.admission.{gateway_id}"
 
 
 def task_subject(worker_id: str) -> str:
@@ -157,9 +159,14 @@ def alive_subject(node_id: str) -> str:
     return ALIVE_SUBJECT.format(node_id=subject_token(node_id))
 
 
+def admission_subject(gateway_id: str) -> str:
+    return ADMISSION_SUBJECT.format(gateway_id=subject_token(gateway_id))
+
+
 # What a subscriber to every request's or node's messages listens on.
 ALL_CANCELS_SUBJECT = CANCEL_SUBJECT.format(request_id="*")
 ALL_METRICS_SUBJECT = METRICS_SUBJECT.format(node_id="*")
+ALL_ADMISSION_SUBJECT = ADMISSION_SUBJECT.format(gateway_id="*")
 
 
 TRACE_SPANS_SUBJECT = "fleet.traces.spans"
@@ -240,6 +247,12 @@ CHANNELS: tuple[Channel, ...] = (
         messages=(RequestStats,),
         retention=Retention.CORE,
         description="Timings and token counts of every finished request (gateway -> metrics-collector).",
+    ),
+    Channel(
+        subject=ADMISSION_SUBJECT,
+        messages=(AdmissionSample,),
+        retention=Retention.CORE,
+        description="A gateway's admission queue (waiting per model, refusals), about once a second.",
     ),
     Channel(
         subject=ALIVE_SUBJECT,

@@ -132,6 +132,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_streams_per_key: int = 64
     rate_limit_per_s: float = 0.0
     rate_limit_burst: int = 0
+    # Admission (fleet_gateway/admission.py): when every instance of a model is full, requests wait
+    # in a fair queue (per gateway replica) of at most this many in all and per key, each for at
+    # most this long; beyond, 503 / 429 with Retry-After.
+    admission_queue: int = 256
+    admission_queue_per_key: int = 64
+    admission_timeout_s: float = 30.0
 
     def resolved_node_id(self) -> str:
         return self.node_id or socket.gethostname()

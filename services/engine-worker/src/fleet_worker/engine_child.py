@@ -95,7 +95,8 @@ def run_child(
     except Exception as error:
         conn.send_bytes(encoder.encode(LoadFailed(reason=describe_error(error))))
         return
-    conn.send_bytes(encoder.encode(Loaded(load_time_s=time.perf_counter() - started)))
+    loaded = Loaded(load_time_s=time.perf_counter() - started, max_batch_size=engine.max_batch_size)
+    conn.send_bytes(encoder.encode(loaded))
     lockstep = getattr(engine, "lockstep", None)
     try:
         if lockstep is None:

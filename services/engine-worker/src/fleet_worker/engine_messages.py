@@ -27,6 +27,7 @@ class LoadProgressed(msgspec.Struct, frozen=True, tag=True):
 
 class Loaded(msgspec.Struct, frozen=True, tag=True):
     load_time_s: float
+    max_batch_size: int = 0  # the engine's (Engine.max_batch_size)
 
 
 class LoadFailed(msgspec.Struct, frozen=True, tag=True):

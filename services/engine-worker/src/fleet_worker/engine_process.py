@@ -76,6 +76,7 @@ class EngineProcess:
         self._exited = asyncio.Event()
         self._stopping = False
         self.load_time_s = 0.0
+        self.max_batch_size = 0  # from the engine once loaded
         self.exit_reason = ""  # why the child exited, once it has
         self._failure = ""  # what the child said went wrong before it exited
         # Called on the loop with each step's KV changes (set by whoever indexes this engine's blocks).
@@ -136,6 +137,7 @@ class EngineProcess:
                 self._loop.remove_reader(fd)
         if isinstance(message, Loaded):
             self.load_time_s = message.load_time_s
+            self.max_batch_size = message.max_batch_size
             return
         if isinstance(message, LoadFailed):
             raise EngineLoadError(message.reason)

@@ -84,6 +84,9 @@ class InstanceManager:
     def active_requests(self) -> dict[str, int]:
         return {i: r.in_flight() for i, r in self._lifecycle.running.items()}
 
+    def request_slots(self) -> dict[str, int]:
+        return {i: r.engine.max_batch_size for i, r in self._lifecycle.running.items()}
+
     def running_tokens(self) -> dict[str, int]:
         return {i: r.running_tokens() for i, r in self._lifecycle.running.items()}
 

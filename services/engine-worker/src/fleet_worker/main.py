@@ -72,6 +72,7 @@ async def publish_metrics(
         sample = msgspec.structs.replace(
             sample,
             active_requests=manager.active_requests(),
+            request_slots=manager.request_slots(),
             running_tokens=manager.running_tokens(),
             queued_tokens=manager.queued_tokens(),
             kv_memory_blocks=kv.memory_blocks(),

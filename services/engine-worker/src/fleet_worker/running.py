@@ -23,6 +23,7 @@ class EngineHandle(Protocol):
 
     exit_reason: str
     on_kv_changes: Callable | None
+    max_batch_size: int  # requests its engine runs at once (Engine.max_batch_size)
 
     @property
     def pid(self) -> int | None: ...

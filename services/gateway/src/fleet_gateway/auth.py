@@ -24,7 +24,7 @@ from fleet_gateway.errors import ApiError, Handler
 
 OPEN, USER, ADMIN = "open", "user", "admin"
 OPEN_PATHS = frozenset({"/", "/health", "/openapi.json", "/api/version", "/ollama/api/version"})
-ADMIN_POSTS = frozenset({"/models", "/downloads", "/instances"})
+ADMIN_POSTS = frozenset({"/models", "/downloads", "/instances", "/admission/priorities"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 KEY_COOKIE = "fleet_api_key"
 IDENTITY = "fleet_identity"  # request key: who is calling, for limits

@@ -22,6 +22,7 @@ from opentelemetry.trace import get_current_span, set_span_in_context
 
 from fleet_bus import Bus, NoResponders, RequestFailed, StateFollower, StreamBroken, TokenStreamReader
 from fleet_bus.trace_context import traceparent
+from fleet_gateway.admission import CALLER, Admission, Ticket
 from fleet_proto import (
     CancelRequest,
     EmbedTask,
@@ -83,8 +84,11 @@ class NodeLiveness:
     """When each node last published its metrics (they come every second), and whether a worker
     answers when asked (`answers`: a dead one is known at once)."""
 
-    def __init__(self, bus: Bus | None = None) -> None:
+    def __init__(
+        self, bus: Bus | None = None, on_sample: Callable[[NodeMetrics], None] | None = None
+    ) -> None:
         self._bus = bus
+        self._on_sample = on_sample
         self._last_seen: dict[str, float] = {}
         self._latest: dict[str, NodeMetrics] = {}
         self._decoder = msgspec.json.Decoder(NodeMetrics)
@@ -94,6 +98,8 @@ class NodeLiveness:
             sample = self._decoder.decode(msg.data)
             self._last_seen[sample.node_id] = time.monotonic()
             self._latest[sample.node_id] = sample
+            if self._on_sample is not None:
+                self._on_sample(sample)
 
     def live_samples(self) -> list[NodeMetrics]:
         """The latest metrics of every node heard from recently."""
@@ -163,8 +169,10 @@ class Generator:
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
         max_migrations: int = MAX_MIGRATIONS,
+        admission: Admission | None = None,
     ) -> None:
         self._tracing = tracing
+        self._admission = admission or Admission(lambda: follower.state)
         self._max_migrations = max_migrations
         self._kv_block_size = kv_block_size
         self._disagg_min_tokens = disagg_min_tokens
@@ -250,17 +258,37 @@ class Generator:
     async def _run(
         self, route_request: RouteRequest, make_task: MakeTask
     ) -> AsyncGenerator[TokenChunk, None]:
-        """Route, publish the task, stream its chunks (the last has finish_reason set).
+        """Wait for room if every instance of the model is full (admission.py), then route, publish
+        the task and stream its chunks (the last has finish_reason set)."""
+        started = time.monotonic()
+        get_current_span().set_attributes(
+            {REQUEST_ID_ATTRIBUTE: route_request.request_id, "fleet.model": route_request.model_id}
+        )
+        async with self._admission.entry(route_request.model_id, CALLER.get()) as ticket:
+            queued_s = time.monotonic() - started
+            async for chunk in self._hops(route_request, make_task, ticket, started, queued_s):
+                yield chunk
+
+    async def _hops(
+        self,
+        route_request: RouteRequest,
+        make_task: MakeTask,
+        ticket: Ticket,
+        started: float,
+        queued_s: float,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Route (off the instances that are full), publish the task, stream its chunks.
 
         Migration: when the worker dies (its stream breaks) or its instance cannot finish the request
         (an UNAVAILABLE error: the engine died, the instance drains), the request is routed again,
         off that node or instance, and goes on there as a continuation of the tokens this stream
         already carried (GenerateTask.generated_token_ids): the caller sees one unbroken stream.
         A hop's task still in a dead worker's queue is withdrawn, so it never runs there later."""
-        started = time.monotonic()
-        request_id, model_id = route_request.request_id, route_request.model_id
-        get_current_span().set_attributes({REQUEST_ID_ATTRIBUTE: request_id, "fleet.model": model_id})
-        decision = await self._routed(route_request)
+        request_id = route_request.request_id
+        full = self._admission.full(route_request.model_id)
+        decision = await self._routed(msgspec.structs.replace(route_request, avoid_instances=full))
+        if not decision.instance_id and full:  # all full after all (a report since): one takes it
+            decision = await self._routed(route_request)
         if not decision.instance_id:
             raise NoInstance(decision.error)
         generated: list[int] = []  # the tokens this request's stream carried so far, over every hop
@@ -286,6 +314,7 @@ class Generator:
                 seq = await self._bus.publish_task(
                     worker, make_task(decision, parent, stream_id, tuple(generated))
                 )
+                ticket.sent(decision.instance_id)
                 async for chunk in reader.chunks():
                     if chunk.finish_reason == "error" and chunk.error_kind == UNAVAILABLE:
                         raise Unavailable(chunk.error)
@@ -295,7 +324,7 @@ class Generator:
                         first_token_at = time.monotonic()
                     if finished:  # before the last chunk goes out: a streaming reader stops at it
                         await self._publish_stats(
-                            route_request, decision, started, first_token_at, chunk, hop
+                            route_request, decision, started, first_token_at, chunk, hop, queued_s
                         )
                     yield chunk
                 return
@@ -304,6 +333,7 @@ class Generator:
                 running.set_attribute("fleet.moved", why)
             finally:
                 running.end()
+                ticket.ended()
                 try:
                     if not finished:  # client gone or stream broken: stop the engine's work too
                         with contextlib.suppress(Exception):
@@ -358,6 +388,7 @@ class Generator:
         first_token_at: float,
         last: TokenChunk,
         migrations: int,
+        queued_s: float,
     ) -> None:
         """Timings for the metrics-collector (from routing to the gateway seeing the tokens)."""
         now = time.monotonic()
@@ -378,6 +409,7 @@ class Generator:
             task=route_request.task,
             inputs=len(last.embeddings),
             migrations=migrations,
+            queued_s=queued_s,
         )
         with contextlib.suppress(Exception):  # stats are advisory: never fail a request over them
             await self._bus.publish(REQUEST_STATS_SUBJECT, stats)

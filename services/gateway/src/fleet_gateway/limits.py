@@ -19,6 +19,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from fleet_bus import error_text
+from fleet_gateway.admission import CALLER
 from fleet_gateway.auth import IDENTITY
 from fleet_gateway.errors import ApiError, Handler
 
@@ -140,6 +141,7 @@ def limits_middleware(streams: StreamLimiter, rate: RateLimiter):
         if request.method != "POST" or request.path not in ENGINE_PATHS:
             return await handler(request)
         caller = request.get(IDENTITY, "anonymous")
+        CALLER.set(caller)  # the admission queue's fairness is per caller
         await rate.check(caller)
         with streams.slot(caller):
             return await handler(request)

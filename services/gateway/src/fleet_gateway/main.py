@@ -15,6 +15,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from fleet_gateway.admin import admin_routes
+from fleet_gateway.admission import Admission, AdmissionLimits
+from fleet_gateway.admission_routes import KeyPriorities, admission_routes, publish_samples
 from fleet_gateway.anthropic_routes import anthropic_routes
 from fleet_gateway.app import state_routes
 from fleet_gateway.auth import KeyRing, auth_middleware
@@ -31,7 +33,7 @@ from fleet_gateway.openapi import openapi_document
 from fleet_gateway.sampling import RequestLimits
 from fleet_gateway.trace_routes import trace_routes, tracing_middleware
 from fleet_gateway.turns import Turns
-from fleet_proto import ServiceKind
+from fleet_proto import NodeMetrics, ServiceKind
 from fleet_proto.subjects import ALL_METRICS_SUBJECT
 from fleet_runtime.health import health_handler, start_http
 from fleet_runtime.service import ServiceContext, run
@@ -48,7 +50,26 @@ REDIS_SOCKET_TIMEOUT_S = 2.0
 async def main(ctx: ServiceContext) -> None:
     store = ObjectStore.from_settings(ctx.settings)
     await asyncio.to_thread(store.check)
-    liveness = NodeLiveness(ctx.bus)
+    settings = ctx.settings
+    # One client for the KV index summary, the dashboard's series, the rate limiter and priorities.
+    redis = aioredis.from_url(
+        settings.redis_url,
+        socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+    )
+    priorities = KeyPriorities(redis)
+    ctx.spawn(priorities.keep_fresh(), "admission-priorities")
+    admission_limits = AdmissionLimits(
+        settings.admission_queue, settings.admission_queue_per_key, settings.admission_timeout_s
+    )
+    admission = Admission(lambda: ctx.follower.state, admission_limits, priorities.of)
+    ctx.spawn(publish_samples(ctx.bus, ctx.service_id, admission), "admission-samples")
+
+    def on_sample(sample: NodeMetrics) -> None:
+        admission.load.on_sample(sample)
+        admission.wake()  # a report may show room
+
+    liveness = NodeLiveness(ctx.bus, on_sample)
     metrics_sub = await ctx.bus.nc.subscribe(ALL_METRICS_SUBJECT, cb=liveness.on_metrics)
     catalog = ModelCatalog(store, Path(ctx.settings.state_dir) / "gateway" / "tokenizers")
     generator = Generator(
@@ -59,18 +80,12 @@ async def main(ctx: ServiceContext) -> None:
         ctx.settings.kv_block_size,
         ctx.settings.disagg_min_tokens,
         ctx.settings.max_migrations,
+        admission,
     )
 
-    settings = ctx.settings
     keys = KeyRing.from_settings(settings.api_keys, settings.admin_keys)
     if not keys.enabled:
         log.warning("no FLEET_API_KEYS or FLEET_ADMIN_KEYS: the gateway's APIs are open to anyone")
-    # One client for the KV index summary, the dashboard's series and the rate limiter.
-    redis = aioredis.from_url(
-        settings.redis_url,
-        socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
-        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-    )
     middlewares = [
         tracing_middleware(ctx.tracing),  # outermost: the root span covers the whole request
         error_middleware,
@@ -84,6 +99,7 @@ async def main(ctx: ServiceContext) -> None:
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
     app.add_routes(state_routes(ctx.follower))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
+    app.add_routes(admission_routes(admission, admission_limits, priorities))
     limits = RequestLimits(settings.max_prompt_tokens, settings.max_completion_tokens, settings.max_n)
     turns = Turns(generator, catalog, ctx.follower, ctx.tracing, limits)
     app.add_routes(openai_routes(turns, ctx.follower))

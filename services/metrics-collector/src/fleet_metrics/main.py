@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from functools import partial
@@ -21,8 +22,9 @@ from fleet_metrics.api import nodes_view
 from fleet_metrics.registry import CONTENT_TYPE, FleetMetrics
 from fleet_metrics.traces import TraceStore
 from fleet_proto import NodeMetrics, ServiceKind
-from fleet_proto.messages import RequestStats
+from fleet_proto.messages import AdmissionSample, RequestStats
 from fleet_proto.subjects import (
+    ALL_ADMISSION_SUBJECT,
     ALL_METRICS_SUBJECT,
     REQUEST_STATS_SUBJECT,
     TRACE_DELETE_SUBJECT,
@@ -54,6 +56,8 @@ REDIS_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 _metrics_decoder = msgspec.json.Decoder(NodeMetrics)
 _stats_decoder = msgspec.json.Decoder(RequestStats)
+_admission_decoder = msgspec.json.Decoder(AdmissionSample)
+GATEWAY_SILENCE_S = 10.0
 _spans_decoder = msgspec.json.Decoder(SpanBatch)
 
 
@@ -108,7 +112,18 @@ async def main(ctx: ServiceContext) -> None:
         nodes = ctx.follower.state.nodes
         return [m for node_id, m in latest.items() if node_id in nodes]
 
-    metrics = FleetMetrics(live_samples)
+    gateways: dict[str, AdmissionSample] = {}
+
+    def live_gateways() -> list[AdmissionSample]:  # a gateway silent for a while is gone
+        now = time.time()
+        return [s for s in gateways.values() if now - s.at < GATEWAY_SILENCE_S]
+
+    async def on_admission(msg: Msg) -> None:
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            sample = _admission_decoder.decode(msg.data)
+            gateways[sample.gateway_id] = sample
+
+    metrics = FleetMetrics(live_samples, live_gateways)
 
     async def on_metrics(msg: Msg) -> None:
         try:
@@ -143,6 +158,8 @@ async def main(ctx: ServiceContext) -> None:
     ctx.on_shutdown(sub.unsubscribe)
     stats_sub = await ctx.bus.nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_request_stats)
     ctx.on_shutdown(stats_sub.unsubscribe)
+    admission_sub = await ctx.bus.nc.subscribe(ALL_ADMISSION_SUBJECT, cb=on_admission)
+    ctx.on_shutdown(admission_sub.unsubscribe)
     ctx.spawn(write_series(), name="series-writer")
     await serve_traces(ctx, TraceStore(ctx.settings.trace_store_traces))
 

@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from fleet_proto import NodeMetrics
-from fleet_proto.messages import EMBED_TASK
+from fleet_proto.messages import EMBED_TASK, AdmissionSample
 
 # The text format /metrics serves (generate_latest writes the classic 0.0.4 format).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -50,6 +50,43 @@ class RequestStatsLike(Protocol):
     def inputs(self) -> int: ...
     @property
     def migrations(self) -> int: ...
+    @property
+    def queued_s(self) -> float: ...
+
+
+class AdmissionCollector(Collector):
+    """The gateways' admission queues at scrape time, from `source()`: each live gateway's latest
+    sample (waiting requests summed per model, refusals per reason)."""
+
+    def __init__(self, source: Callable[[], Iterable[AdmissionSample]]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        waiting = GaugeMetricFamily(
+            "fleet_admission_waiting_requests",
+            "Requests waiting for room (every instance of their model full), over all gateways.",
+            labels=["model"],
+        )
+        refused = CounterMetricFamily(
+            "fleet_admission_refused",
+            "Requests refused by admission (queue full, key's queue full, waited too long).",
+            labels=["reason"],
+        )
+        by_model: dict[str, int] = {}
+        by_reason: dict[str, int] = {}
+        for sample in self._source():
+            for model, count in sample.waiting.items():
+                by_model[model] = by_model.get(model, 0) + count
+            for reason, count in sample.refused.items():
+                by_reason[reason] = by_reason.get(reason, 0) + count
+        for model, count in sorted(by_model.items()):
+            waiting.add_metric([model], count)
+        for reason, count in sorted(by_reason.items()):
+            refused.add_metric([reason], count)
+        return iter([waiting, refused])
 
 
 class NodeCollector(Collector):
@@ -148,7 +185,11 @@ def _known(value: Any) -> bool:
 class FleetMetrics:
     """All metrics the collector exports, in a registry of its own."""
 
-    def __init__(self, live_nodes: Callable[[], Iterable[NodeMetrics]] = tuple) -> None:
+    def __init__(
+        self,
+        live_nodes: Callable[[], Iterable[NodeMetrics]] = tuple,
+        live_gateways: Callable[[], Iterable[AdmissionSample]] = tuple,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.ttft = Histogram(
@@ -182,6 +223,13 @@ class FleetMetrics:
             ["model"],
             registry=r,
         )
+        self.admission_wait = Histogram(
+            "fleet_admission_wait_seconds",
+            "Time a request waited for room because every instance of its model was full (0: none).",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.prefix_hit = Gauge(
             "fleet_prefix_cache_hit_ratio",
             "Prompt tokens served from the prefix cache / all prompt tokens, over all requests.",
@@ -203,6 +251,7 @@ class FleetMetrics:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         r.register(NodeCollector(live_nodes))
+        r.register(AdmissionCollector(live_gateways))
 
     def observe_request(self, stats: RequestStatsLike) -> None:
         if stats.task == EMBED_TASK:
@@ -212,6 +261,7 @@ class FleetMetrics:
         self.requests.labels(model, stats.finish_reason or "unknown").inc()
         if stats.migrations > 0:
             self.migrations.labels(model).inc(stats.migrations)
+        self.admission_wait.labels(model).observe(max(stats.queued_s, 0.0))
         self.duration.observe(max(stats.total_s, 0.0))
         if stats.prompt_tokens > 0:
             self.prompt.labels(model).inc(stats.prompt_tokens)

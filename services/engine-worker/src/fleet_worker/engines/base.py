@@ -159,6 +159,9 @@ class Lockstep(Protocol):
 
 
 class Engine(Protocol):
+    # Requests it runs at once; more wait in its queue (the worker reports it: admission counts it).
+    max_batch_size: int
+
     def add(self, request: EngineRequest) -> None: ...
 
     def cancel(self, request_id: str) -> None:

@@ -36,9 +36,14 @@ class _Echo:
 
 class EchoEngine:
     def __init__(
-        self, model_dir: Path, on_load_progress: LoadProgress | None = None, **options: object
+        self,
+        model_dir: Path,
+        on_load_progress: LoadProgress | None = None,
+        max_batch_size: int = 256,
+        **options: object,
     ) -> None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.max_batch_size = max_batch_size
         self.vocab_size = int(config.get("vocab_size", 0))
         self._running: dict[str, _Echo] = {}
         self._done: list[EngineOutput] = []

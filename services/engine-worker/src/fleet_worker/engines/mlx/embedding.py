@@ -121,6 +121,7 @@ class MlxEmbedder:
         self.vocab_size = self.model.config.vocab_size
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
+        self.max_batch_size = max_batch_inputs  # a request may bring several inputs: at most this many
         self._jobs: dict[str, EmbeddingJob] = {}
         self._waiting: list[_Input] = []  # oldest first
         self._outputs: list[EngineOutput] = []  # errors and cancels, sent at the next step

@@ -111,6 +111,7 @@ class VllmEmbedder:
         if facts is None:
             raise ValueError(f"{model_dir} has no modules.json: no sentence-transformers model to pool")
         self.facts = facts
+        self.max_batch_size = max_batch_size
         layers = int(text_config(model_dir).get("num_hidden_layers", 1))
         load_format = register_progress_loader(layers, on_load_progress or (lambda done, total: None))
         args: dict[str, Any] = {

@@ -195,6 +195,7 @@ class VllmEngine:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no model folder with a config.json at {model_dir}")
+        self.max_batch_size = max_batch_size
         on_cpu = current_platform.is_cpu()
         layers = int(text_config(model_dir).get("num_hidden_layers", 1))
         load_format = register_progress_loader(layers, on_load_progress or (lambda done, total: None))

@@ -1,0 +1,191 @@
+"""Admission at saturation (fleet_gateway.admission): when an instance is full, its order, bounds
+and deadline; the queue's pure rules, then the queue itself over a replayed State (no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fleet_gateway.admission import (
+    Admission,
+    AdmissionLimits,
+    InstanceLoad,
+    Waiter,
+    free_slots,
+    full_instances,
+    next_waiter,
+)
+from fleet_gateway.errors import ApiError
+from fleet_proto import Instance, InstancePlaced, InstanceReady, NodeInfo, NodeJoined, NodeMetrics, replay
+
+pytestmark = pytest.mark.unit
+
+
+def test_an_instance_is_full_at_its_slots_and_one_of_unknown_capacity_never_is():
+    slots, running = {"a": 2, "b": 2}, {"a": 2, "b": 1, "c": 50}
+    assert full_instances(["a", "b", "c"], slots, running) == {"a"}
+    assert free_slots(["a", "b", "c"], slots, running) == 0 + 1 + 1
+
+
+def test_the_next_waiter_is_by_priority_then_the_caller_served_longest_ago_then_the_oldest():
+    def waiter(caller: str, priority: int, number: int) -> Waiter:
+        return Waiter(caller, priority, number, asyncio.Future(loop=asyncio.new_event_loop()))
+
+    a1, a2, b1 = waiter("a", 0, 1), waiter("a", 0, 2), waiter("b", 0, 3)
+    assert next_waiter([a1, a2, b1], {}) is a1  # nobody served yet: the oldest
+    assert next_waiter([a2, b1], {"a": 5}) is b1  # b never served: b's turn before a's second
+    assert next_waiter([a2, b1], {"a": 5, "b": 7}) is a2
+    urgent = waiter("c", 9, 4)
+    assert next_waiter([a1, b1, urgent], {}) is urgent
+
+
+def test_the_load_is_the_report_corrected_by_what_this_gateway_sent_and_saw_finish():
+    load = InstanceLoad()
+    load.on_sample(sample({"i": 3}, {"i": 4}))
+    load.sent("i")
+    assert load.running() == {"i": 4}
+    load.finished("i")
+    load.finished("i")  # one that was running at the report
+    assert load.running() == {"i": 2}
+    load.on_sample(sample({"i": 1}, {"i": 4}))  # the next report is the truth again
+    assert load.running() == {"i": 1}
+    load.sent("i")
+    load.sent("i")
+    load.on_sample(sample({"i": 0}, {"i": 4}))  # a report that has not seen them yet
+    assert load.running() == {"i": 2}  # never less than this gateway has in flight
+
+
+def sample(active: dict[str, int], slots: dict[str, int]) -> NodeMetrics:
+    return NodeMetrics(
+        node_id="n",
+        at=0.0,
+        memory_used_bytes=0,
+        memory_available_bytes=0,
+        cpu_percent=0.0,
+        disk_free_bytes=0,
+        active_requests=active,
+        request_slots=slots,
+    )
+
+
+def one_instance_state():
+    node = NodeInfo(
+        node_id="n",
+        hostname="n",
+        system="Linux",
+        machine="x86_64",
+        cpu_count=2,
+        memory_total_bytes=1,
+        memory_available_bytes=1,
+        disk_total_bytes=1,
+        disk_free_bytes=1,
+    )
+    instance = Instance(instance_id="i", model_id="m", node_id="n", engine="mlx")
+    events = [NodeJoined(node=node), InstancePlaced(instance=instance), InstanceReady(instance_id="i")]
+    return replay(enumerate(events, start=1))
+
+
+DEFAULTS = AdmissionLimits()
+
+
+def admission(limits: AdmissionLimits = DEFAULTS, priorities: dict[str, int] | None = None):
+    state = one_instance_state()
+    gate = Admission(lambda: state, limits, lambda caller: (priorities or {}).get(caller, 0))
+    gate.load.on_sample(sample({"i": 0}, {"i": 2}))
+    return gate
+
+
+async def hold(gate: Admission, caller: str, release: asyncio.Event, order: list[str]) -> None:
+    """A request that takes a slot on instance i until `release`."""
+    async with gate.entry("m", caller) as ticket:
+        order.append(caller)
+        ticket.sent("i")
+        await release.wait()
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_requests_wait_while_the_model_is_full_and_enter_as_slots_open():
+    gate = admission()
+    release, order = asyncio.Event(), []
+    running = [asyncio.create_task(hold(gate, f"k{n}", release, order)) for n in range(2)]
+    await settle()
+    assert gate.full("m") == ("i",)
+    third = asyncio.create_task(hold(gate, "k2", asyncio.Event(), order))
+    await settle()
+    assert order == ["k0", "k1"] and gate.waiting() == {"m": 1}
+    release.set()  # both finish: the waiter enters
+    await asyncio.gather(*running)
+    await settle()
+    assert order == ["k0", "k1", "k2"] and gate.waiting() == {}
+    third.cancel()
+
+
+async def test_a_higher_priority_caller_enters_first_and_callers_take_turns():
+    gate = admission(priorities={"vip": 5})
+    release, order = asyncio.Event(), []
+    running = [asyncio.create_task(hold(gate, "bulk", release, order)) for _ in range(2)]
+    await settle()
+    later = asyncio.Event()
+    waiting = [asyncio.create_task(hold(gate, c, later, order)) for c in ("bulk", "bulk", "other", "vip")]
+    await settle()
+    release.set()  # two slots open: the vip, then the caller served longest ago (other, never)
+    await settle()
+    assert order[2:] == ["vip", "other"]
+    later.set()
+    await asyncio.gather(*running, *waiting)
+    assert order[4:] == ["bulk", "bulk"]
+
+
+async def test_over_the_bounds_or_past_the_deadline_the_request_is_refused_with_retry_after():
+    gate = admission(AdmissionLimits(queue=2, queue_per_key=1, timeout_s=0.2))
+    release, order = asyncio.Event(), []
+    running = [asyncio.create_task(hold(gate, f"k{n}", release, order)) for n in range(2)]
+    await settle()
+    first = asyncio.create_task(hold(gate, "a", release, order))
+    await settle()
+    with pytest.raises(ApiError) as per_key:
+        await hold(gate, "a", release, order)
+    assert per_key.value.status == 429 and per_key.value.headers["Retry-After"]
+    second = asyncio.create_task(hold(gate, "b", release, order))
+    await settle()
+    with pytest.raises(ApiError) as full:
+        await hold(gate, "c", release, order)
+    assert full.value.status == 503 and "Retry-After" in full.value.headers
+    for waiter in (first, second):  # nobody finished within the deadline
+        with pytest.raises(ApiError) as late:
+            await waiter
+        assert late.value.status == 503 and "stayed busy" in late.value.message
+    assert gate.refused == {"key_queue_full": 1, "queue_full": 1, "timeout": 2}
+    assert gate.waiting() == {}
+    release.set()
+    await asyncio.gather(*running)
+
+
+async def test_a_client_that_leaves_while_waiting_gives_its_place_back():
+    gate = admission()
+    release, order = asyncio.Event(), []
+    running = [asyncio.create_task(hold(gate, f"k{n}", release, order)) for n in range(2)]
+    await settle()
+    gone = asyncio.create_task(hold(gate, "gone", asyncio.Event(), order))
+    await settle()
+    gone.cancel()
+    await settle()
+    assert gate.waiting() == {}
+    stays = asyncio.create_task(hold(gate, "stays", asyncio.Event(), order))
+    release.set()
+    await asyncio.gather(*running)
+    await settle()
+    assert order == ["k0", "k1", "stays"]
+    stays.cancel()
+
+
+async def test_a_model_without_a_ready_instance_is_not_queued():
+    gate = admission()
+    async with gate.entry("no-such-model", "k") as ticket:  # routing answers that it has none
+        assert ticket.model_id == "no-such-model"
+    assert gate.waiting() == {}
