@@ -6,11 +6,13 @@ lost between intake and the engine; both sides of a handoff."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
 from fleet_proto import PrefillPlan, PrefillRequest, SamplingParams
+from fleet_proto.messages import TASK_TTL_S, UNAVAILABLE
 from fleet_runtime.tracing import Tracing
 from fleet_store.handoff import decode_chunk, read_folder
 from fleet_worker.calibration import warm_up_request
@@ -79,6 +81,42 @@ async def test_a_task_for_an_instance_not_here_or_draining_ends_at_once() -> Non
         ("r2", 0, "error"),
     ]
     assert "not running on n1" in worker.chunks.sent[0].error and not worker.engine.submitted
+    assert {c.error_kind for c in worker.chunks.sent} == {UNAVAILABLE}  # the gateway moves them on
+
+
+async def test_a_task_its_gateway_gave_up_on_long_ago_is_dropped() -> None:
+    worker = Worker()
+    stale = time.time_ns() - int((TASK_TTL_S + 60) * 1e9)
+    await worker.server.on_task(task("r1", sent_at_ns=stale))
+    await worker.server.on_task(task("r2", sent_at_ns=time.time_ns()))
+    assert [r.request_id for r in worker.engine.submitted] == ["r2"]
+    [dropped] = worker.chunks.of("r1")
+    assert dropped.finish_reason == "error" and "dropped" in dropped.error
+
+
+async def test_a_continuation_reaches_the_engine_with_the_tokens_already_sent() -> None:
+    worker = Worker()
+    await worker.server.on_task(task("r1-m1", generated_token_ids=(5, 6)))
+    [submitted] = worker.engine.submitted
+    assert submitted.generated_token_ids == (5, 6) and submitted.prompt_token_ids == tuple(range(1, 9))
+
+
+async def test_moving_an_instances_streams_ends_each_as_unavailable_and_cancels_its_work() -> None:
+    worker = Worker()
+    await worker.start_pump()
+    await worker.server.on_task(task("r1"))
+    worker.engine.emit(output("r1", 5, done=1))
+    await settle()
+    await worker.server.move(worker.running, "worker n1 is stopping")
+    worker.engine.emit(output("r1", 6, done=2))  # after the move: dropped
+    await settle()
+    chunks = worker.chunks.of("r1")
+    assert [(c.index, c.token_ids, c.finish_reason, c.error_kind) for c in chunks] == [
+        (0, (5,), "", ""),
+        (1, (), "error", UNAVAILABLE),
+    ]
+    assert "worker n1 is stopping" in chunks[-1].error
+    assert worker.engine.cancelled == ["r1"] and worker.running.idle.is_set()
 
 
 async def test_a_cancel_while_the_kv_is_fetched_is_not_lost() -> None:
