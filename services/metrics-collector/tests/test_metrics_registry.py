@@ -4,6 +4,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleet_metrics.registry import FleetMetrics, cpu_ratio, node_families, prefix_hit_ratio
 from fleet_proto import GpuSample, NodeMetrics
+from fleet_proto.messages import AdmissionSample
 
 from .metrics_stats_helper import stats
 
@@ -146,3 +147,24 @@ def test_cpu_ratio_is_clamped():
     assert cpu_ratio(150.0) == 1.0
     assert cpu_ratio(-1.0) == 0.0
     assert cpu_ratio(40.0) == 0.4
+
+
+def test_migrations_and_admission_waits_are_counted():
+    metrics = FleetMetrics()
+    metrics.observe_request(stats(migrations=2, queued_s=0.3))
+    metrics.observe_request(stats())
+    values = parse(metrics)
+    assert values[("fleet_request_migrations_total", (("model", "m"),))] == 2
+    assert values[("fleet_admission_wait_seconds_count", (("model", "m"),))] == 2
+    assert values[("fleet_admission_wait_seconds_sum", (("model", "m"),))] == pytest.approx(0.3)
+
+
+def test_the_gateways_admission_queues_are_summed_at_scrape_time():
+    samples = [
+        AdmissionSample(gateway_id="g1", at=0.0, waiting={"m": 3}, refused={"timeout": 1}),
+        AdmissionSample(gateway_id="g2", at=0.0, waiting={"m": 2, "n": 1}, refused={"timeout": 2}),
+    ]
+    values = parse(FleetMetrics(live_gateways=lambda: samples))
+    assert values[("fleet_admission_waiting_requests", (("model", "m"),))] == 5
+    assert values[("fleet_admission_waiting_requests", (("model", "n"),))] == 1
+    assert values[("fleet_admission_refused_total", (("reason", "timeout"),))] == 3
