@@ -15,10 +15,10 @@ from fleet_proto import (
     NodeInfo,
     NodeJoined,
     RouteRequest,
-    replay,
 )
 from fleet_proto.partners import partner_table, plan_prefill, remote_seconds, weight_bits
 from fleet_proto.routing import route
+from fleet_proto.testing import state_of
 
 pytestmark = pytest.mark.unit
 
@@ -85,31 +85,6 @@ def measured(instance_id: str, model_id: str, engine: str, prefill: float) -> No
         calibrations=(calibration,),
     )
     return NodeJoined(node=info)
-
-
-def state_of(*events):
-    """The replayed state, with a bare node joined for every instance whose node did not join
-    (routing takes only instances whose nodes are in the cluster)."""
-    state = replay(enumerate(events, start=1))
-    nodes = {i.node_id for i in state.instances.values()} | {
-        s.node_id for i in state.instances.values() for s in i.shards
-    }
-    joined = [NodeJoined(node=bare_node(n)) for n in sorted(nodes - state.nodes.keys())]
-    return replay(enumerate(joined, start=len(events) + 1), state)
-
-
-def bare_node(node_id: str) -> NodeInfo:
-    return NodeInfo(
-        node_id=node_id,
-        hostname=node_id,
-        system="Linux",
-        machine="x86_64",
-        cpu_count=2,
-        memory_total_bytes=1,
-        memory_available_bytes=1,
-        disk_total_bytes=1,
-        disk_free_bytes=1,
-    )
 
 
 def long_request(model_id: str, tokens: int = 1500) -> RouteRequest:

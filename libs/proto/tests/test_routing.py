@@ -18,10 +18,10 @@ from fleet_proto import (
     NodeJoined,
     RouteRequest,
     Shard,
-    replay,
 )
 from fleet_proto.messages import EMBED_TASK
 from fleet_proto.routing import route
+from fleet_proto.testing import state_of
 
 pytestmark = pytest.mark.unit
 
@@ -46,31 +46,6 @@ def ready(instance_id: str, model_id: str = "m", engine: str = "mlx", role: str 
     node = node or f"n-{instance_id}"
     instance = Instance(instance_id=instance_id, model_id=model_id, node_id=node, engine=engine, role=role)
     return (InstancePlaced(instance=instance), InstanceReady(instance_id=instance_id))
-
-
-def state_of(*events):
-    """The replayed state, with a bare node joined for every instance whose node did not join
-    (routing takes only instances whose nodes are in the cluster)."""
-    state = replay(enumerate(events, start=1))
-    nodes = {i.node_id for i in state.instances.values()} | {
-        s.node_id for i in state.instances.values() for s in i.shards
-    }
-    joined = [NodeJoined(node=bare_node(n)) for n in sorted(nodes - state.nodes.keys())]
-    return replay(enumerate(joined, start=len(events) + 1), state)
-
-
-def bare_node(node_id: str) -> NodeInfo:
-    return NodeInfo(
-        node_id=node_id,
-        hostname=node_id,
-        system="Linux",
-        machine="x86_64",
-        cpu_count=2,
-        memory_total_bytes=1,
-        memory_available_bytes=1,
-        disk_total_bytes=1,
-        disk_free_bytes=1,
-    )
 
 
 REQUEST = RouteRequest(request_id="r", model_id="m", prompt_tokens=10)

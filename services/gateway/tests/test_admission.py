@@ -17,7 +17,8 @@ from fleet_gateway.admission import (
     next_waiter,
 )
 from fleet_gateway.errors import ApiError
-from fleet_proto import Instance, InstancePlaced, InstanceReady, NodeInfo, NodeJoined, NodeMetrics, replay
+from fleet_proto import Instance, InstancePlaced, InstanceReady, NodeMetrics
+from fleet_proto.testing import state_of
 
 pytestmark = pytest.mark.unit
 
@@ -70,20 +71,8 @@ def sample(active: dict[str, int], slots: dict[str, int]) -> NodeMetrics:
 
 
 def one_instance_state():
-    node = NodeInfo(
-        node_id="n",
-        hostname="n",
-        system="Linux",
-        machine="x86_64",
-        cpu_count=2,
-        memory_total_bytes=1,
-        memory_available_bytes=1,
-        disk_total_bytes=1,
-        disk_free_bytes=1,
-    )
     instance = Instance(instance_id="i", model_id="m", node_id="n", engine="mlx")
-    events = [NodeJoined(node=node), InstancePlaced(instance=instance), InstanceReady(instance_id="i")]
-    return replay(enumerate(events, start=1))
+    return state_of(InstancePlaced(instance=instance), InstanceReady(instance_id="i"))
 
 
 DEFAULTS = AdmissionLimits()
