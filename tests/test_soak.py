@@ -33,7 +33,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -391,8 +391,11 @@ async def run_case(session: aiohttp.ClientSession, gateway: str, case: Case) -> 
     return outcome
 
 
-async def run_all(gateway: str, cases: list[Case]) -> list[Outcome]:
-    """Every case, CONCURRENCY at a time, in one bounded run."""
+async def run_all(
+    gateway: str, cases: list[Case], admit: Callable[[], Awaitable[None]] | None = None
+) -> list[Outcome]:
+    """Every case, CONCURRENCY at a time, in one bounded run; with `admit`, a case holding a slot
+    awaits it before it starts (a test's pace)."""
     limit = asyncio.Semaphore(CONCURRENCY)
     connector = aiohttp.TCPConnector(limit=CONCURRENCY * 2)
 
@@ -400,6 +403,8 @@ async def run_all(gateway: str, cases: list[Case]) -> list[Outcome]:
 
         async def bounded(case: Case) -> Outcome:
             async with limit:
+                if admit is not None:
+                    await admit()
                 return await run_case(session, gateway, case)
 
         async with asyncio.timeout(RUN_TIMEOUT_S):
@@ -424,11 +429,13 @@ def service_rss(manifest: stack.StackManifest) -> dict[str, int]:
     return {p.name: tree_rss(p.pid) for p in manifest.processes if p.name in ("gateway", "engine-worker")}
 
 
-async def until_idle(nats_url: str, since: float) -> NodeMetrics:
-    """The worker's first metrics published after `since` that show no request running or queued;
-    fails with the last ones seen after SETTLE_S."""
+async def until_idle(nats_url: str, since: float, nodes: frozenset[str] = frozenset()) -> NodeMetrics:
+    """The worker's first metrics published after `since` that show no request running or queued
+    (with `nodes`: once each of these nodes has published such metrics, the last of them); fails
+    with the last ones seen after SETTLE_S."""
     bus = await Bus.connect(nats_url, "soak-metrics-reader")
     decoder = msgspec.json.Decoder(NodeMetrics)
+    idle: set[str] = set()
     try:
         sub = await bus.nc.subscribe("fleet.metrics.*")
         deadline = time.monotonic() + SETTLE_S
@@ -441,8 +448,10 @@ async def until_idle(nats_url: str, since: float) -> NodeMetrics:
             last = decoder.decode(msg.data)
             busy = sum(last.active_requests.values()) + sum(last.queued_tokens.values())
             if last.at > since and busy == 0 and not sum(last.running_tokens.values()):
-                return last
-        raise AssertionError(f"still in flight {SETTLE_S:.0f} s after the run: {last}")
+                idle.add(last.node_id)
+                if idle >= nodes:
+                    return last
+        raise AssertionError(f"still in flight {SETTLE_S:.0f} s after the run (idle: {idle}): {last}")
     finally:
         await bus.close()
 
@@ -494,6 +503,22 @@ def summary(outcomes: list[Outcome], elapsed_s: float) -> str:
     return "\n".join(lines)
 
 
+def assert_answered(outcomes: list[Outcome]) -> None:
+    """Every request not cancelled by its client got a complete, well-formed response: none timed
+    out (hung), none a 5xx; and greedy requests with the same conversation and max_tokens got the
+    same text on every API, streamed or not, whatever batch they ran in."""
+    problems = [f"#{o.case.number} {o.case.kind} {o.case.cancel}: {o.problem}" for o in outcomes if o.problem]
+    assert not problems, f"{len(problems)} bad responses:\n" + "\n".join(problems[:20])
+    assert not [o for o in outcomes if o.timed_out]
+    assert not [o for o in outcomes if o.status >= 500]
+    texts: dict[tuple, set[str]] = {}
+    for o in outcomes:
+        if o.case.same_text_as and not o.cancelled:
+            texts.setdefault(o.case.same_text_as, set()).add(o.text)
+    differing = {key: found for key, found in texts.items() if len(found) > 1}
+    assert not differing, f"greedy requests disagree: {list(differing.items())[:3]}"
+
+
 @pytest.fixture(scope="module")
 def soak_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackManifest]:
     model_dir = make_chat_model(tmp_path_factory.mktemp("model") / "m")
@@ -534,19 +559,8 @@ async def test_soak_mixed_requests_with_cancels_loses_nothing_and_leaks_nothing(
     subscriptions = f"{len(subscriptions_before)} before, {len(subscriptions_after)} after"
     print(f"  gateway NATS subscriptions: {subscriptions}")
 
-    problems = [f"#{o.case.number} {o.case.kind} {o.case.cancel}: {o.problem}" for o in outcomes if o.problem]
-    assert not problems, f"{len(problems)} bad responses:\n" + "\n".join(problems[:20])
-    assert not [o for o in outcomes if o.timed_out]
-    assert not [o for o in outcomes if o.status >= 500]
+    assert_answered(outcomes)
     assert len(outcomes) == SOAK
-
-    # greedy: the same conversation and max_tokens gave the same text on every API, streamed or not
-    texts: dict[tuple, set[str]] = {}
-    for o in outcomes:
-        if o.case.same_text_as and not o.cancelled:
-            texts.setdefault(o.case.same_text_as, set()).add(o.text)
-    differing = {key: found for key, found in texts.items() if len(found) > 1}
-    assert not differing, f"greedy requests disagree: {list(differing.items())[:3]}"
 
     # every mid-stream cancel reached the engine and freed its slot before the end, unless the
     # engine had already sent the whole stream when the client, still reading it, hung up
