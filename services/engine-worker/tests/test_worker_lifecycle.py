@@ -18,6 +18,7 @@ from fleet_proto import (
     InstanceStatusChanged,
     State,
 )
+from fleet_proto.messages import UNAVAILABLE
 from fleet_runtime.tracing import Tracing
 from fleet_worker.calibrating import Calibration, Calibrator
 from fleet_worker.disaggregation import PrefillSide
@@ -45,7 +46,7 @@ class FakeModelFiles:
 
 
 class Node:
-    def __init__(self, fail_load: str = "") -> None:
+    def __init__(self, fail_load: str = "", drain_grace_s: float = 5.0) -> None:
         self.events: list = []
         self.engines: list[FakeEngine] = []
         self.files = FakeModelFiles()
@@ -76,6 +77,7 @@ class Node:
             start_engine,
             self.server,
             Calibrator(Calibration(), {}),
+            drain_grace_s=drain_grace_s,
         )
 
     async def place(self, **fields) -> None:
@@ -154,6 +156,38 @@ async def test_a_draining_instance_finishes_its_requests_then_is_deleted() -> No
     assert engine.stopped and not engine.cancelled
     assert [c.finish_reason for c in node.chunks.of("r1")] == ["", "length"]
     assert node.chunks.of("r2")[0].finish_reason == "error"
+
+
+async def test_requests_still_running_after_the_drain_grace_move_on() -> None:
+    node = Node(drain_grace_s=0.05)
+    await node.place()
+    await node.until(lambda: "i1" in node.lifecycle.running, "running")
+    engine = node.engines[0]
+    engine.answers = False
+    await node.server.on_task(task("r1"))
+    engine.emit(output("r1", 5, done=1))
+    await node.place(status=InstanceStatus.DRAINING)
+    await node.until(lambda: any(isinstance(e, InstanceDeleted) for e in node.events), "deleted")
+    chunks = node.chunks.of("r1")
+    assert [(c.token_ids, c.finish_reason, c.error_kind) for c in chunks] == [
+        ((5,), "", ""),
+        ((), "error", UNAVAILABLE),  # its gateway resumes it elsewhere after token 5
+    ]
+    assert "deleted" in chunks[-1].error and engine.cancelled == ["r1"] and engine.stopped
+
+
+async def test_a_stopping_worker_moves_its_requests_and_says_its_instances_are_placed_again() -> None:
+    node = Node(drain_grace_s=0.05)
+    await node.place()
+    await node.until(lambda: "i1" in node.lifecycle.running, "running")
+    engine = node.engines[0]
+    engine.answers = False
+    await node.server.on_task(task("r1"))
+    await node.lifecycle.leave()
+    assert [(c.finish_reason, c.error_kind) for c in node.chunks.of("r1")] == [("error", UNAVAILABLE)]
+    placed = [e for e in node.events if isinstance(e, InstanceStatusChanged) and e.status == "placed"]
+    assert [e.instance_id for e in placed] == ["i1"]  # not routed to until this worker loads it again
+    assert engine.stopped and not node.lifecycle.running
 
 
 async def test_a_failed_load_is_reported_with_its_reason() -> None:

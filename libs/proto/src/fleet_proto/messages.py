@@ -238,15 +238,18 @@ class AdmissionSample(Frozen):
 
 
 class LivenessProbe(Frozen):
-    """Gateway -> worker on `fleet.alive.<node_id>` (request/reply): are you there? A worker whose
-    process died lost its subscription with its connection, so NATS answers "no responders" at
-    once: a stream's gateway knows within a poll, not after the metrics' silence."""
+    """Gateway -> worker on `fleet.alive.<node_id>` (request/reply): are you there, and do you run
+    this request? A worker whose process died lost its subscription with its connection, so NATS
+    answers "no responders" at once: a stream's gateway knows within a poll, not after the
+    metrics' silence. A worker restarted under the same node id answers, but without the request."""
 
     node_id: str
+    request_id: str = ""
 
 
 class LivenessReply(Frozen):
     node_id: str
+    running: bool = False  # the probe's request is one of this worker's streams
 
 
 class CancelRequest(Frozen):

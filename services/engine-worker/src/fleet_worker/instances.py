@@ -116,6 +116,10 @@ class InstanceManager:
     def cancel(self, request_id: str) -> None:
         self._server.cancel(request_id)
 
+    def runs(self, request_id: str) -> bool:
+        """Whether the request is one of this worker's streams (taken and not ended)."""
+        return any(request_id in r.streams for r in self._lifecycle.running.values())
+
     # -- the prefill side of disaggregation (called by the PrefillServer) -------------------------
     def start_export(self, request: PrefillRequest, folder: Path) -> str:
         return self._prefill_side.start_export(

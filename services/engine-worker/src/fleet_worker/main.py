@@ -200,8 +200,8 @@ async def main(ctx: ServiceContext) -> None:
 
     cancel_sub = await ctx.bus.nc.subscribe(ALL_CANCELS_SUBJECT, cb=on_cancel)
 
-    async def here(_: LivenessProbe) -> LivenessReply:  # gone with the process: see LivenessProbe
-        return LivenessReply(node_id=node_id)
+    async def here(probe: LivenessProbe) -> LivenessReply:  # gone with the process: see LivenessProbe
+        return LivenessReply(node_id=node_id, running=manager.runs(probe.request_id))
 
     await ctx.bus.serve(alive_subject(node_id), LivenessProbe, here)
     task_decoder = msgspec.json.Decoder(WorkerTask)

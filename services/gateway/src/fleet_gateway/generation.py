@@ -68,6 +68,16 @@ def hop_stream_id(request_id: str, hop: int) -> str:
     return f"{request_id}-m{hop}" if hop else request_id
 
 
+@dataclass
+class SentTask:
+    """One hop's task: to which worker, under which id, and its sequence in the work queue once
+    published (0 before)."""
+
+    worker_id: str
+    request_id: str
+    seq: int = 0
+
+
 class Unavailable(Exception):
     """The instance serving a request cannot finish it (GenerationOutput.error_kind UNAVAILABLE)."""
 
@@ -109,19 +119,22 @@ class NodeLiveness:
         seen = self._last_seen.get(node_id)
         return seen is None or time.monotonic() - seen < NODE_SILENCE_S
 
-    async def answers(self, node_id: str) -> bool:
-        """Ask the worker: NATS answers "no responders" at once when its process is gone (its
-        subscription went with its connection); no answer in time leaves it to the metrics."""
+    async def probe(self, node_id: str, request_id: str = "") -> LivenessReply | None:
+        """Ask the worker (and whether it runs the request): None when NATS answers "no
+        responders", at once when its process is gone (its subscription went with its connection).
+        No answer in time leaves it to the metrics: taken for running while they come."""
         if self._bus is None:
-            return self.alive(node_id)
+            return LivenessReply(node_id=node_id, running=True) if self.alive(node_id) else None
         try:
-            probe = LivenessProbe(node_id=node_id)
-            await self._bus.request(alive_subject(node_id), probe, LivenessReply, PROBE_TIMEOUT_S)
+            probe = LivenessProbe(node_id=node_id, request_id=request_id)
+            return await self._bus.request(alive_subject(node_id), probe, LivenessReply, PROBE_TIMEOUT_S)
         except NoResponders:
-            return False
+            return None
         except RequestFailed:
-            return self.alive(node_id)
-        return True
+            return LivenessReply(node_id=node_id, running=True) if self.alive(node_id) else None
+
+    async def answers(self, node_id: str) -> bool:
+        return await self.probe(node_id) is not None
 
 
 @dataclass(frozen=True)
@@ -296,22 +309,23 @@ class Generator:
         for hop in range(self._max_migrations + 1):
             stream_id = hop_stream_id(request_id, hop)
             worker = decision.worker_id
+            sent = SentTask(worker, stream_id)
             reader = TokenStreamReader(
                 self._bus,
                 stream_id,
                 STALL_TIMEOUT_S,
-                producer_alive=partial(self._liveness.answers, worker),
+                producer_alive=partial(self._producing, sent),
                 poll_s=STREAM_POLL_S,
             )
             await reader.open()
-            finished, seq = False, 0
+            finished = False
             # publish -> last chunk; the worker's spans hang from it (the task's traceparent)
             running = self._tracing.start_span(
                 route_request.task, "stream", {"fleet.instance_id": decision.instance_id, "fleet.hop": hop}
             )
             try:
                 parent = traceparent(set_span_in_context(running))
-                seq = await self._bus.publish_task(
+                sent.seq = await self._bus.publish_task(
                     worker, make_task(decision, parent, stream_id, tuple(generated))
                 )
                 ticket.sent(decision.instance_id)
@@ -341,8 +355,8 @@ class Generator:
                 finally:  # even when cancelled again while cancelling: no subscription outlives its request
                     await asyncio.shield(reader.close())
             dead = not await self._liveness.answers(worker)
-            if seq:  # a dead worker's queue may still hold it: it must not run when that worker is back
-                await self._withdraw(seq)
+            if sent.seq:  # a dead worker's queue may still hold it: it must not run when that worker is back
+                await self._withdraw(sent.seq)
             route_request = msgspec.structs.replace(
                 route_request,
                 avoid_nodes=(*route_request.avoid_nodes, worker) if dead else route_request.avoid_nodes,
@@ -361,6 +375,21 @@ class Generator:
                 request_id, moved_from.worker_id, moved_from.instance_id, len(generated), why,
                 decision.worker_id, decision.instance_id,
             )  # fmt: skip
+
+    async def _producing(self, sent: SentTask) -> bool:
+        """Whether the stream's worker still runs its task, or it waits in that worker's queue (a
+        worker restarted under the same node id answers, but without the request)."""
+        reply = await self._liveness.probe(sent.worker_id, sent.request_id)
+        if reply is None:
+            return False
+        return reply.running or not sent.seq or await self._queued(sent.seq)
+
+    async def _queued(self, seq: int) -> bool:
+        try:
+            await self._bus.js.get_msg(TASK_STREAM.name, seq)
+        except APIError:  # taken (and lost with the process that took it)
+            return False
+        return True
 
     async def _routed(self, route_request: RouteRequest) -> RouteReply:
         with self._tracing.span(
