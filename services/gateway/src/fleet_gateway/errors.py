@@ -161,6 +161,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = api_error(503, str(exc), code="bus_unavailable", shape=shape)
         response.headers["Retry-After"] = str(BUS_RETRY_AFTER_S)
         return response
+    except ConnectionResetError:  # the client hung up while a stream was written: nobody to answer
+        log.debug("%s %s: the client went away mid-response", request.method, request.path)
+        raise
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
