@@ -188,6 +188,9 @@ async def test_a_stopping_worker_moves_its_requests_and_says_its_instances_are_p
     placed = [e for e in node.events if isinstance(e, InstanceStatusChanged) and e.status == "placed"]
     assert [e.instance_id for e in placed] == ["i1"]  # not routed to until this worker loads it again
     assert engine.stopped and not node.lifecycle.running
+    await node.lifecycle.reconcile(node.state)  # the instance is still placed here: not loaded again
+    await settle()
+    assert len(node.engines) == 1 and not node.lifecycle.running
 
 
 async def test_a_failed_load_is_reported_with_its_reason() -> None:

@@ -49,6 +49,7 @@ class ServiceContext:
         )
         self._tasks: list[asyncio.Task[Any]] = []
         self._cleanups: list[Callable[[], Awaitable[None]]] = []
+        self._stopping: list[Callable[[], Awaitable[None]]] = []
 
     async def _check_nats(self) -> None:
         if not self.bus.nc.is_connected:
@@ -60,6 +61,11 @@ class ServiceContext:
 
     def on_shutdown(self, cleanup: Callable[[], Awaitable[None]]) -> None:
         self._cleanups.append(cleanup)
+
+    def on_stop(self, first: Callable[[], Awaitable[None]]) -> None:
+        """Run at SIGTERM before the service's tasks are cancelled, while it still works (a worker
+        leaves the cluster and drains there); cleanups come after."""
+        self._stopping.append(first)
 
     def info(self) -> ServiceInfo:
         return ServiceInfo(
@@ -136,6 +142,11 @@ async def serve(
         await _wait_for_stop(ctx._tasks)
     finally:
         log.info("%s %s stopping", kind.value, ctx.service_id)
+        for first in ctx._stopping:
+            try:
+                await first()
+            except Exception:
+                log.exception("stopping %s", ctx.service_id)
         for task in ctx._tasks:
             task.cancel()
         if ctx._tasks:

@@ -168,6 +168,7 @@ class Lifecycle:
         drain_grace_s: float = DRAIN_GRACE_S,
     ) -> None:
         self._drain_grace_s = drain_grace_s
+        self._leaving = False
         self._node_id = node_id
         self._service_id = service_id
         self._state = state
@@ -196,6 +197,8 @@ class Lifecycle:
         }
 
     async def reconcile(self, state: State) -> None:
+        if self._leaving:  # the worker stops: it loads nothing more
+            return
         wanted = self.wanted(state)
         for instance_id, generation in list(self._generations.items()):
             again = wanted.get(instance_id)
@@ -377,6 +380,7 @@ class Lifecycle:
         """The worker stops: every instance here drains at once (the node has left the cluster, so
         nothing new is routed here), is said to be placed but not loaded (this worker loads it again
         when it is back), then unloads."""
+        self._leaving = True
         for running in self.running.values():
             running.leaving = True
         instances = list(self.running.values())

@@ -98,7 +98,7 @@ async def follow_assignments(
             await manager.reconcile(ctx.follower.state)
             if isinstance(event, ModelDeleted):
                 await manager.remove_model(event.model_id)
-            elif isinstance(event, NodeLeft) and event.node_id == node_id:
+            elif isinstance(event, NodeLeft) and event.node_id == node_id and event.origin != ctx.service_id:
                 # taken for gone while it is running (the scheduler timed out this node's previous
                 # process just as this one started): it is here, and routable only once it says so
                 log.warning("the cluster took node %s for gone (%s): joining again", node_id, event.reason)
@@ -211,14 +211,20 @@ async def main(ctx: ServiceContext) -> None:
     on_task = honouring_early_cancels(ctx.bus, cancels, manager.on_task, manager.cancel)
     ctx.spawn(consume_tasks(ctx.bus, node_id, task_decoder.decode, on_task), "tasks")
 
-    async def leave() -> None:
+    async def drain() -> None:
         # Out of the cluster first, so nothing more is routed here; then the requests running here
-        # finish within the drain grace or move on (their gateways resume them elsewhere).
+        # finish within the drain grace or move on (their gateways resume them elsewhere), while the
+        # worker still takes cancels, answers its liveness probe and reports its metrics.
         with contextlib.suppress(Exception):
             await ctx.bus.publish_event(
                 NodeLeft(node_id=node_id, reason="worker stopping", origin=ctx.service_id)
             )
         await manager.leave()
+
+    ctx.on_stop(drain)
+
+    async def leave() -> None:
+        await manager.close()  # after a drain: closes what is left (a calibration, a loading instance)
         await cancel_sub.unsubscribe()
         await prefill_server.close()
         await kv.close()

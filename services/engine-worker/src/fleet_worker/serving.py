@@ -144,6 +144,8 @@ class RequestServer:
     async def move(self, running: RunningInstance, why: str) -> None:
         """End every stream of the instance with UNAVAILABLE (their gateways resume them elsewhere,
         from the tokens they already have) and stop their work here."""
+        if running.streams:
+            log.info("%s: %d requests move on (%s)", running.instance.instance_id, len(running.streams), why)
         for stream in list(running.streams.values()):
             self.cancel(stream.request_id)
             await stream.end("error", f"{why}: request {stream.request_id} moves on", UNAVAILABLE)
