@@ -14,6 +14,7 @@ metrics-collector's input). The longest wait for a token of each moved stream (t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -98,9 +99,10 @@ class Cluster:
             stop_pid(pid)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    root = tmp_path_factory.mktemp("migration")
+@contextlib.contextmanager
+def two_workers(root: Path) -> Iterator[Cluster]:
+    """The stack (w1) and w2, both with the tiny chat model's files; the workers started here
+    are stopped by PID at the end."""
     model_dir = make_chat_model(root / "model")
     env = {**os.environ, "FLEET_NODE_ID": "w1", "FLEET_DRAIN_GRACE_S": GRACE_S}
     with embedded_stack(root / "state", MODEL, model_dir, env=env) as manifest:
@@ -110,6 +112,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             yield cluster
         finally:
             cluster.stop_spawned()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with two_workers(tmp_path_factory.mktemp("migration")) as cluster:
+        yield cluster
 
 
 def ready_nodes(state: dict) -> set[str]:
@@ -133,7 +141,27 @@ async def two_workers_serving(session: aiohttp.ClientSession, cluster: Cluster) 
         async with session.post(f"{gateway}/instances", json={"model": MODEL, "shards": shards}) as reply:
             assert reply.status == 202, await reply.text()
             await until_ready(session, gateway, (await reply.json())["instance_id"])
+    await one_instance_each(session, gateway)
     await asyncio.sleep(1.5)  # every worker's metrics say idle: the streams spread over both
+
+
+async def one_instance_each(session: aiohttp.ClientSession, gateway: str) -> None:
+    """A worker's instance failed over to the other one is deleted again: with one instance on each
+    worker the streams split evenly, so the faulty one always has some."""
+    async with session.get(f"{gateway}/state") as response:
+        state = await response.json()
+    extra = []
+    for node in ("w1", "w2"):
+        on_node = sorted(
+            i["instance_id"]
+            for i in state["instances"].values()
+            if i["node_id"] == node and i["model_id"] == MODEL and i["status"] == "ready"
+        )
+        extra += on_node[1:]
+    for instance_id in extra:
+        async with session.delete(f"{gateway}/instances/{instance_id}") as reply:
+            assert reply.status == 202, await reply.text()
+    await until_state(session, gateway, lambda s: not set(extra) & s["instances"].keys(), 60)
 
 
 def body(prompt: str) -> dict:

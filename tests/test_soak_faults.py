@@ -42,8 +42,8 @@ from fleet_bus import Bus
 from fleet_local.processes import pid_alive
 from fleet_proto import RequestStats
 from fleet_proto.subjects import REQUEST_STATS_SUBJECT
-from tests.support import MODEL, embedded_stack, engine_children, make_chat_model, until_state
-from tests.test_migration_stack import GRACE_S, Cluster, ready_nodes, two_workers_serving
+from tests.support import engine_children, until_state
+from tests.test_migration_stack import Cluster, ready_nodes, two_workers, two_workers_serving
 from tests.test_soak import (
     SEED,
     SOAK,
@@ -172,16 +172,8 @@ class FaultLoop:
 
 @pytest.fixture(scope="module")
 def faulty_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    root = tmp_path_factory.mktemp("soak-faults")
-    model_dir = make_chat_model(root / "model")
-    env = {**os.environ, "FLEET_NODE_ID": "w1", "FLEET_DRAIN_GRACE_S": GRACE_S}
-    with embedded_stack(root / "state", MODEL, model_dir, env=env) as manifest:
-        cluster = Cluster(manifest, root)
-        cluster.start_worker("w2")
-        try:
-            yield cluster
-        finally:
-            cluster.stop_spawned()
+    with two_workers(tmp_path_factory.mktemp("soak-faults")) as cluster:
+        yield cluster
 
 
 async def test_soak_with_worker_faults_loses_no_request(faulty_cluster: Cluster) -> None:
