@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from fleet_proto import (
@@ -12,13 +13,12 @@ from fleet_proto import (
     InstanceReady,
     ModelCard,
     ModelStaged,
-    NodeInfo,
     NodeJoined,
     RouteRequest,
 )
 from fleet_proto.partners import partner_table, plan_prefill, remote_seconds, weight_bits
 from fleet_proto.routing import route
-from fleet_proto.testing import state_of
+from fleet_proto.testing import bare_node, state_of
 
 pytestmark = pytest.mark.unit
 
@@ -71,19 +71,8 @@ def measured(instance_id: str, model_id: str, engine: str, prefill: float) -> No
         completion_tokens=32,
         at=1.0,
     )
-    info = NodeInfo(
-        node_id=node,
-        hostname=node,
-        system="Linux",
-        machine="x86_64",
-        cpu_count=2,
-        memory_total_bytes=1,
-        memory_available_bytes=1,
-        disk_total_bytes=1,
-        disk_free_bytes=1,
-        engines=(EngineInfo(name=engine, version="1"),),
-        calibrations=(calibration,),
-    )
+    engines = (EngineInfo(name=engine, version="1"),)
+    info = msgspec.structs.replace(bare_node(node), engines=engines, calibrations=(calibration,))
     return NodeJoined(node=info)
 
 

@@ -14,14 +14,13 @@ from fleet_proto import (
     InstanceReady,
     ModelCard,
     ModelStaged,
-    NodeInfo,
     NodeJoined,
     RouteRequest,
     Shard,
 )
 from fleet_proto.messages import EMBED_TASK
 from fleet_proto.routing import route
-from fleet_proto.testing import state_of
+from fleet_proto.testing import bare_node, state_of
 
 pytestmark = pytest.mark.unit
 
@@ -213,19 +212,7 @@ def joined(node_id: str, *speeds: tuple[str, float, float]) -> NodeJoined:
         for engine, prefill, decode in speeds
     )
     engines = tuple(EngineInfo(name=e, version="1") for e, _, _ in speeds)
-    info = NodeInfo(
-        node_id=node_id,
-        hostname=node_id,
-        system="Linux",
-        machine="x86_64",
-        cpu_count=2,
-        memory_total_bytes=1,
-        memory_available_bytes=1,
-        disk_total_bytes=1,
-        disk_free_bytes=1,
-        engines=engines,
-        calibrations=calibrations,
-    )
+    info = msgspec.structs.replace(bare_node(node_id), engines=engines, calibrations=calibrations)
     return NodeJoined(node=info)
 
 

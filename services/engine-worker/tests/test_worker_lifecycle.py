@@ -158,13 +158,19 @@ async def test_a_draining_instance_finishes_its_requests_then_is_deleted() -> No
     assert node.chunks.of("r2")[0].finish_reason == "error"
 
 
-async def test_requests_still_running_after_the_drain_grace_move_on() -> None:
-    node = Node(drain_grace_s=0.05)
+async def serving_r1(node: Node) -> FakeEngine:
+    """The node's instance running, with request r1 in its engine; the engine."""
     await node.place()
     await node.until(lambda: "i1" in node.lifecycle.running, "running")
     engine = node.engines[0]
     engine.answers = False
     await node.server.on_task(task("r1"))
+    return engine
+
+
+async def test_requests_still_running_after_the_drain_grace_move_on() -> None:
+    node = Node(drain_grace_s=0.05)
+    engine = await serving_r1(node)
     engine.emit(output("r1", 5, done=1))
     await node.place(status=InstanceStatus.DRAINING)
     await node.until(lambda: any(isinstance(e, InstanceDeleted) for e in node.events), "deleted")
@@ -178,11 +184,7 @@ async def test_requests_still_running_after_the_drain_grace_move_on() -> None:
 
 async def test_a_stopping_worker_moves_its_requests_and_says_its_instances_are_placed_again() -> None:
     node = Node(drain_grace_s=0.05)
-    await node.place()
-    await node.until(lambda: "i1" in node.lifecycle.running, "running")
-    engine = node.engines[0]
-    engine.answers = False
-    await node.server.on_task(task("r1"))
+    engine = await serving_r1(node)
     await node.lifecycle.leave()
     assert [(c.finish_reason, c.error_kind) for c in node.chunks.of("r1")] == [("error", UNAVAILABLE)]
     placed = [e for e in node.events if isinstance(e, InstanceStatusChanged) and e.status == "placed"]

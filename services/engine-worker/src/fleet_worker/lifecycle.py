@@ -6,6 +6,9 @@ worker pattern): the scheduler decides, the worker reports downloading, loading,
 and failed as events. In a pipeline each rank's worker loads its shard; rank 0's reports the
 instance's progress and readiness (its warm-up runs through every rank), the others only their
 failures.
+
+Whole at ~450 lines: one instance's life here (load, warm up, restart, drain, leave, unload) is
+one state machine over the same running and loading tables; the files it pins are ModelFiles'.
 """
 
 from __future__ import annotations

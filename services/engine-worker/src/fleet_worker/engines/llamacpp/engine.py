@@ -1,6 +1,9 @@
 """llama.cpp engine on llama-cpp-python's C API (ctypes): a GGUF served as it is, token ids in and
 out, continuous batching across sequences in one llama_context.
 
+Whole at ~460 lines: what is left here is the Engine protocol over the contexts and slots (admit,
+step, emit, cancel); each separable job already lives in the modules named below.
+
 The engine owns the contexts and the slots; its parts each do one job on them: context.py (contexts
 and ctypes helpers), slots.py (which slot a request takes, whose KV gives way: pure), forward.py (the
 step's batches), prefill.py (a prefill-only copy of the weights for long prompts) and handoff.py (KV
