@@ -65,6 +65,11 @@ async def setup(gateway: str, model_dir: Path) -> None:
         )
 
 
+# what a client's measured wait adds to the gateway's root span: connecting, sending, parsing (a
+# loaded 2-core machine: up to ~10 ms)
+CLIENT_SIDE_S = 0.03
+
+
 async def whole_trace(
     session: aiohttp.ClientSession, gateway: str, request_id: str, needs: frozenset[str] = frozenset()
 ) -> tuple[dict, dict]:
@@ -136,7 +141,8 @@ def test_one_request_gives_one_linked_trace_that_adds_up(cluster: stack.StackMan
         assert span["end_ns"] >= span["start_ns"]
     # the root is the request as the client saw it, and the categories add up to the root
     root_s = (root["end_ns"] - root["start_ns"]) / 1e9
-    assert abs(root_s - waited) <= 0.05 * waited
+    # inside the client's wait, which adds only the connection and the HTTP exchange around it
+    assert root_s <= waited <= 1.05 * root_s + CLIENT_SIDE_S
     assert stats["duration_ns"] == root["end_ns"] - root["start_ns"]
     total = sum(c["self_ns"] for c in stats["categories"])
     assert abs(total - stats["duration_ns"]) <= 0.05 * stats["duration_ns"]
@@ -166,8 +172,12 @@ def test_a_streamed_request_shows_its_gateway_and_engine_steps(cluster: stack.St
     assert all(b["start_ns"] == a["end_ns"] for a, b in pairwise(steps))
     # every output after the first token's is in a window (a short stream: under MAX_STEP_SPANS)
     assert sum(s["attributes"]["fleet.tokens"] for s in steps) < decode["attributes"]["fleet.tokens"]
+    # the categories add up to the root, plus at most the gateway's per-output work (it overlaps
+    # the worker's decode, so it is counted twice; a loaded machine makes it longer)
+    overlap = sum(s["end_ns"] - s["start_ns"] for s in named("detokenize") + named("stream write"))
     total = sum(c["self_ns"] for c in stats["categories"])
-    assert abs(total - stats["duration_ns"]) <= 0.05 * stats["duration_ns"]
+    slack = 0.05 * stats["duration_ns"]
+    assert -slack <= total - stats["duration_ns"] <= slack + overlap
 
 
 def test_a_disaggregated_request_shows_its_transfer_and_the_prefill_workers_spans(
