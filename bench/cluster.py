@@ -7,11 +7,13 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -83,6 +85,85 @@ def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iter
     finally:
         stop_pid(worker.pid)
         stack.down(state_dir)
+
+
+class Cluster:
+    """An embedded stack whose own worker serves nothing, and the workers a benchmark starts, kills
+    and restarts (by PID), each with `worker_env`."""
+
+    def __init__(self, manifest, root: Path, nodes: Sequence[str], worker_env: dict[str, str]) -> None:
+        self.manifest = manifest
+        self.gateway = manifest.gateway_url
+        self.root = root
+        self.nodes = tuple(nodes)
+        self.worker_env = worker_env
+        self.pids: dict[str, int] = {}
+
+    def start(self, node: str) -> None:
+        from fleet_local.processes import spawn
+
+        env = {
+            **os.environ,
+            **self.manifest.env,
+            "FLEET_STATE_DIR": str(self.root / node),
+            "FLEET_HEALTH_PORT": "0",
+            "FLEET_NODE_ID": node,
+            **self.worker_env,
+        }
+        proc = spawn([sys.executable, "-m", "fleet_worker"], self.root / "logs" / f"{node}.log", env)
+        self.pids[node] = proc.pid
+
+    def kill(self, node: str) -> None:
+        """The worker and its engine child, with no goodbye (the process group spawn gave it)."""
+        os.killpg(self.pids[node], signal.SIGKILL)
+        os.waitpid(self.pids[node], 0)  # ours: reap it
+
+    def stop_all(self) -> None:
+        from fleet_local.processes import stop_pid
+
+        for pid in self.pids.values():
+            stop_pid(pid)
+
+
+@contextmanager
+def workers_stack(
+    root: Path, nodes: Sequence[str], worker_env: dict[str, str], stack_env: dict[str, str]
+) -> Iterator[Cluster]:
+    """`Cluster`: the stack's services (its worker w0 with no engine) with `stack_env`, then `nodes`."""
+    from fleet_local import stack
+
+    os.environ |= {"FLEET_NODE_ID": "w0", "FLEET_NODE_ENGINES": "none", **stack_env}
+    manifest = stack.up(root, gateway_port=0, auth=False)
+    cluster = Cluster(manifest, root, nodes, worker_env)
+    try:
+        for node in nodes:
+            cluster.start(node)
+        yield cluster
+    finally:
+        cluster.stop_all()
+        stack.down(root)
+
+
+def instance_ready(instance_id: str, state: dict) -> bool:
+    return state["instances"].get(instance_id, {}).get("status") == "ready"
+
+
+async def serving_everywhere(cluster: Cluster, model: str, layers: int, engine: str) -> None:
+    """A ready instance of `model` on each node (a restarted worker's loads again, or a new one)."""
+    async with aiohttp.ClientSession() as session:
+        gateway = cluster.gateway
+        state = await until(session, gateway, lambda s: set(cluster.nodes) <= s["nodes"].keys(), 120)
+        for node in cluster.nodes:
+            mine = [
+                i["instance_id"]
+                for i in state["instances"].values()
+                if i["node_id"] == node and i["model_id"] == model and i["status"] != "failed"
+            ]
+            if not mine:
+                shards = [{"node_id": node, "start_layer": 0, "end_layer": layers}]
+                body = {"model": model, "shards": shards, "engine": engine}
+                mine = [(await call(session, "POST", f"{gateway}/instances", body))["instance_id"]]
+            await until(session, gateway, partial(instance_ready, mine[0]), 900)
 
 
 def scratch_dir(prefix: str) -> Path:

@@ -62,22 +62,30 @@ import asyncio
 import importlib.util
 import itertools
 import json
-import os
 import secrets
-import signal
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import REPO, call, discard, scratch_dir, stage, until, write_result
+from cluster import (
+    REPO,
+    Cluster,
+    call,
+    discard,
+    scratch_dir,
+    serving_everywhere,
+    stage,
+    until,
+    workers_stack,
+    write_result,
+)
 from loadgen import WORDS, percentile
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -342,92 +350,22 @@ def worker_settings(engine: str) -> dict[str, str]:
 
 
 # -- the stack ---------------------------------------------------------------------------------------
-class Cluster:
-    """The embedded stack and the workers this bench starts, kills and restarts (by PID)."""
-
-    def __init__(self, manifest, root: Path, engine: str) -> None:
-        self.manifest = manifest
-        self.gateway = manifest.gateway_url
-        self.root = root
-        self.engine = engine
-        self.pids: dict[str, int] = {}
-
-    def start(self, node: str) -> None:
-        from fleet_local.processes import spawn
-
-        env = {
-            **os.environ,
-            **self.manifest.env,
-            "FLEET_STATE_DIR": str(self.root / node),
-            "FLEET_HEALTH_PORT": "0",
-            "FLEET_NODE_ID": node,
-            **worker_settings(self.engine),
-        }
-        proc = spawn([sys.executable, "-m", "fleet_worker"], self.root / "logs" / f"{node}.log", env)
-        self.pids[node] = proc.pid
-
-    def kill(self, node: str) -> None:
-        """The worker and its engine child, with no goodbye (the process group spawn gave it)."""
-        os.killpg(self.pids[node], signal.SIGKILL)
-        os.waitpid(self.pids[node], 0)  # ours: reap it
-
-    def stop_all(self) -> None:
-        from fleet_local.processes import stop_pid
-
-        for pid in self.pids.values():
-            stop_pid(pid)
-
-
 @contextmanager
 def own_stack(root: Path, engine: str) -> Iterator[Cluster]:
-    from fleet_local import stack
-
     # no remote prefill: each hop's prefill is its own instance's (a partner would hold the prompt's
     # blocks in its memory, and the cold prefill would not be the decoder's)
-    os.environ |= {
-        "FLEET_NODE_ID": "w0",
-        "FLEET_NODE_ENGINES": "none",
-        "FLEET_DISAGG_MIN_TOKENS": "1000000000",
-    }
-    manifest = stack.up(root, gateway_port=0, auth=False)
-    cluster = Cluster(manifest, root, engine)
-    try:
-        for node in NODES:
-            cluster.start(node)
+    with workers_stack(
+        root, NODES, worker_settings(engine), {"FLEET_DISAGG_MIN_TOKENS": "1000000000"}
+    ) as cluster:
         yield cluster
-    finally:
-        cluster.stop_all()
-        stack.down(root)
 
 
-def instance_ready(instance_id: str, state: dict) -> bool:
-    return state["instances"].get(instance_id, {}).get("status") == "ready"
-
-
-async def serving_everywhere(cluster: Cluster, model: str, layers: int) -> None:
-    """A ready instance of `model` on each node (a restarted worker's loads again, or a new one)."""
-    async with aiohttp.ClientSession() as session:
-        gateway = cluster.gateway
-        state = await until(session, gateway, lambda s: set(NODES) <= s["nodes"].keys(), 120)
-        for node in NODES:
-            mine = [
-                i["instance_id"]
-                for i in state["instances"].values()
-                if i["node_id"] == node and i["model_id"] == model and i["status"] != "failed"
-            ]
-            if not mine:
-                shards = [{"node_id": node, "start_layer": 0, "end_layer": layers}]
-                body = {"model": model, "shards": shards, "engine": cluster.engine}
-                mine = [(await call(session, "POST", f"{gateway}/instances", body))["instance_id"]]
-            await until(session, gateway, partial(instance_ready, mine[0]), 900)
-
-
-async def restart(cluster: Cluster, node: str, model: str, layers: int) -> None:
+async def restart(cluster: Cluster, node: str, model: str, layers: int, engine: str) -> None:
     """Start the killed node's worker again once the cluster has seen it go, and wait for both."""
     async with aiohttp.ClientSession() as session:
         await until(session, cluster.gateway, lambda s: node not in s["nodes"], 120)
     cluster.start(node)
-    await serving_everywhere(cluster, model, layers)
+    await serving_everywhere(cluster, model, layers, engine)
 
 
 # -- one trial -----------------------------------------------------------------------------------------
@@ -699,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with own_stack(root, args.engine) as cluster:
         asyncio.run(stage(cluster.gateway, model, source, nodes=len(NODES) + 1))
-        asyncio.run(serving_everywhere(cluster, model, layers))
+        asyncio.run(serving_everywhere(cluster, model, layers, args.engine))
         settings = connection_settings(cluster.manifest)
         store = ObjectStore.from_settings(settings)
         fingerprint = manifest_fingerprint(load_manifest(store, "fleet-models", model, "main"))
@@ -725,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(row)
             print(describe_trial(i, row), flush=True)
             if record.killed_at:
-                asyncio.run(restart(cluster, record.node, model, layers))
+                asyncio.run(restart(cluster, record.node, model, layers, args.engine))
             to_warm = (record.node,) if record.killed_at else ()
     summary = summarize(rows)
     print()

@@ -111,3 +111,17 @@ def test_structured_pairs_constrained_and_free_rounds_with_ratios(tmp_path: Path
             assert entry[side]["errors"] == 0, entry[side]["error_examples"]
             assert entry[side]["rounds"] == 2
         assert positive(entry["decode_tps_ratio"]["median"]) and positive(entry["ttft_ratio"]["median"])
+
+
+def test_replay_runs_a_trace_through_fleet_and_finds_the_history_cached(tmp_path: Path) -> None:
+    """The quick trace (chats and an agent loop, a few turns each) on one llama.cpp worker: every turn
+    answered, and the later turns found their history in the engine's prefix cache."""
+    result = bench("replay", tmp_path, "--quick")
+    ((name, side),) = result["sides"].items()
+    assert name == "fleet-kv-1w" and side["errors"] == 0
+    assert side["requests"] == result["trace"]["requests"] == len(result["turns"][name])
+    assert positive(side["ttft_p50_ms"]) and positive(side["output_tokens_per_s"])
+    later = [t for t in result["turns"][name] if t["turn"] > 0]
+    assert later and all(t["cached_tokens"] > 0 for t in later)
+    assert 0 < side["cache_hit"] < 1
+    assert side["stayed_with_history"] == 1.0  # one worker: every later turn ran where its history is

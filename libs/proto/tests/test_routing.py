@@ -268,3 +268,38 @@ def test_embeddings_and_generation_never_cross():
     assert route(state, generate, {}).error == "no ready instance of m"
     refused = route(state, msgspec.structs.replace(generate, model_id="e"), {})
     assert refused.error == "e is an embedding model: it serves embeddings only"
+
+
+# ---- policies (FLEET_ROUTING_POLICY), and what a router remembers for engines that index nothing ----
+
+CHAT = RouteRequest(request_id="r", model_id="m", prompt_tokens=1000)
+
+
+def test_round_robin_takes_the_instances_in_turn_whatever_their_load_and_cache():
+    state = state_of(*ready("a"), *ready("b"), *ready("c"))
+    picks = [
+        route(state, CHAT, {"a": 0, "b": 9000}, {"n-c": 1000}, policy="round-robin", turn=t).instance_id
+        for t in range(4)
+    ]
+    assert picks == ["a", "b", "c", "a"]
+
+
+def test_least_loaded_ignores_the_cache():
+    state = state_of(*ready("a"), *ready("b"))
+    reply = route(state, CHAT, {"a": 10, "b": 0}, {"n-a": 1000}, policy="least-loaded")
+    assert reply.instance_id == "b" and reply.reason.startswith("least loaded")
+
+
+def test_kv_aware_weighs_the_cached_prefix_against_the_load():
+    state = state_of(*ready("a"), *ready("b"))
+    assert route(state, CHAT, {"a": 500, "b": 0}, {"n-a": 1000}).instance_id == "a"  # 500 < 1000
+    assert route(state, CHAT, {"a": 1500, "b": 0}, {"n-a": 1000}).instance_id == "b"  # 1500 > 1000
+
+
+def test_what_the_router_sent_counts_only_for_an_engine_whose_kv_is_not_indexed():
+    llama = state_of(*ready("a", engine="llamacpp"), *ready("b", engine="llamacpp"))
+    reply = route(llama, CHAT, {"a": 200, "b": 0}, remembered={"a": 768})
+    assert reply.instance_id == "a" and "768 of 1000 prompt tokens cached" in reply.reason
+    # an MLX instance's KV is in the index: the index, not the router's memory, says what it holds
+    mlx = state_of(*ready("a"), *ready("b"))
+    assert route(mlx, CHAT, {"a": 200, "b": 0}, remembered={"a": 768}).instance_id == "b"

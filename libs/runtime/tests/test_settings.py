@@ -64,3 +64,9 @@ def test_the_redis_password_goes_into_the_url():
     assert settings.redis_url == "redis://:p%40ss%2Fword@redis:6379/0"
     again = load_settings({"FLEET_REDIS_URL": settings.redis_url, "FLEET_REDIS_PASSWORD": "new"})
     assert again.redis_url == "redis://:new@redis:6379/0"
+
+
+def test_the_routing_policy_is_one_the_scheduler_knows():
+    assert load_settings({"FLEET_ROUTING_POLICY": "round-robin"}).routing_policy == "round-robin"
+    with pytest.raises(SettingsError, match="FLEET_ROUTING_POLICY='random': expected one of kv, least-loaded"):
+        load_settings({"FLEET_ROUTING_POLICY": "random"})

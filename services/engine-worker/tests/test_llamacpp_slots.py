@@ -1,5 +1,5 @@
-"""The llama.cpp engine's slot allocator (pure, no llama.cpp): a request takes the free slot holding
-the longest prefix of its prompt but the last token, and idle slots' tokens give way, least recently
+"""The llama.cpp engine's slot allocator (pure, no llama.cpp): a request takes the free slot that gains
+it most (the prefix of its prompt but the last token it reuses, less what it drops), and idle slots' tokens give way, least recently
 used first, only as far as a reservation needs their cells."""
 
 from __future__ import annotations
@@ -36,13 +36,23 @@ def test_the_last_prompt_token_is_never_reused() -> None:
     assert (slot.seq_id, keep) == (0, 2)
 
 
-def test_a_tie_goes_to_the_most_recently_used_slot_and_busy_slots_are_skipped() -> None:
+def test_a_tie_goes_to_the_least_recently_used_slot_and_busy_slots_are_skipped() -> None:
     slots = held(Slots(3, 100), [7], [7], [1, 2, 3])
     slots.release(slots.all[0], step=5)
     slots.release(slots.all[1], step=9)
     slots.take(slots.all[2], 3, reserved=10)
     slot, keep = slots.choose((1, 2, 3, 4))
+    assert (slot.seq_id, keep) == (0, 0)
+
+
+def test_a_prompt_sharing_only_a_template_head_takes_an_empty_slot_not_another_history() -> None:
+    """Chat prompts all begin with the template's tokens: a new conversation would otherwise drop
+    the history of one whose next turn is coming (the replay bench found it)."""
+    slots = held(Slots(3, 100), [1, 2, 5, 6, 7, 8], [], [1, 2, 3, 4, 9])
+    slot, keep = slots.choose((1, 2, 8, 8, 8))
     assert (slot.seq_id, keep) == (1, 0)
+    slot, keep = slots.choose((1, 2, 3, 4, 9, 10, 11))  # the next turn of the third: its own slot
+    assert (slot.seq_id, keep) == (2, 5)
 
 
 def test_no_free_slot_means_no_choice() -> None:

@@ -33,6 +33,7 @@ instance's node, is its one handoff endpoint and moves every rank's layers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 
 from fleet_proto.common import EngineCalibration, Instance, InstanceStatus
 from fleet_proto.engines import EngineFacts, engine_facts
@@ -47,7 +48,18 @@ from fleet_proto.partners import (
 from fleet_proto.speed import calibration
 from fleet_proto.state import State
 
-__all__ = ["DEFAULT_DISAGG_MIN_TOKENS", "EMBED_TASK", "base_model", "ready_instances", "route"]
+__all__ = [
+    "DEFAULT_DISAGG_MIN_TOKENS",
+    "EMBED_TASK",
+    "ROUTING_POLICIES",
+    "base_model",
+    "ready_instances",
+    "route",
+]
+
+KV_AWARE, LEAST_LOADED, ROUND_ROBIN = "kv", "least-loaded", "round-robin"
+ROUTING_POLICIES = (KV_AWARE, LEAST_LOADED, ROUND_ROBIN)
+POLICY_CHOICE = {KV_AWARE: "least cost", LEAST_LOADED: "least loaded", ROUND_ROBIN: "round-robin"}
 
 
 def embeds(state: State, model_id: str) -> bool:
@@ -113,10 +125,36 @@ def fastest_engines(
     return tuple(i.engine for i, m in zip(instances, measured, strict=True) if getattr(m, speed) == top)
 
 
-def route_cost(
-    instance: Instance, prompt_tokens: int, load: Mapping[str, int], cached: Mapping[str, int]
-) -> int:
-    return load.get(instance.instance_id, 0) + max(prompt_tokens - cached.get(instance.node_id, 0), 0)
+def cached_tokens(instance: Instance, cached: Mapping[str, int], remembered: Mapping[str, int]) -> int:
+    """The request's leading prompt tokens the instance's engine holds: its node's, by the KV index;
+    for an engine whose KV stays its own (nothing indexed), what this router sent it recently."""
+    held = cached.get(instance.node_id, 0)
+    if engine_facts(instance.engine).kv_local:
+        held = max(held, remembered.get(instance.instance_id, 0))
+    return held
+
+
+def route_cost(instance: Instance, prompt_tokens: int, load: Mapping[str, int], held: int) -> int:
+    return load.get(instance.instance_id, 0) + max(prompt_tokens - held, 0)
+
+
+def choose(
+    preferred: list[Instance],
+    request: RouteRequest,
+    load: Mapping[str, int],
+    held: Callable[[Instance], int],
+    policy: str,
+    turn: int,
+) -> Instance:
+    """The instance a policy picks: "kv" the least cost (load + uncached prompt), "least-loaded" the
+    least load, "round-robin" the turn'th in instance id order (the baselines KV-aware routing is
+    measured against)."""
+    if policy == ROUND_ROBIN:
+        ordered = sorted(preferred, key=lambda i: i.instance_id)
+        return ordered[turn % len(ordered)]
+    if policy == LEAST_LOADED:
+        return min(preferred, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
+    return min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, held(i)), i.instance_id))
 
 
 def route(
@@ -127,22 +165,28 @@ def route(
     tier2_tokens: int = 0,
     disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+    remembered: Mapping[str, int] | None = None,
+    policy: str = KV_AWARE,
+    turn: int = 0,
 ) -> RouteReply:
-    """cached: node id -> leading prompt tokens whose KV that node holds in memory."""
+    """cached: node id -> leading prompt tokens whose KV that node holds in memory (the KV index);
+    remembered: instance id -> leading prompt tokens this router sent there recently (used for
+    engines that index nothing); policy: one of ROUTING_POLICIES (round-robin takes the `turn`th)."""
     if request.task == EMBED_TASK:
         return route_embedding(state, request, load)
     if embeds(state, request.model_id):
         return RouteReply(error=f"{request.model_id} is an embedding model: it serves embeddings only")
-    cached = cached or {}
+    cached, remembered = cached or {}, remembered or {}
     candidates = [i for i in ready_instances(state, request.model_id) if not avoided(i, request)]
     if not candidates:
         return RouteReply(error=f"no ready instance of {request.model_id}{avoiding(request)}")
     fastest = fastest_engines(state, candidates, "decode_tokens_per_s", lambda f: f.decode_preferred)
     preferred = [i for i in candidates if i.engine in fastest] or candidates
-    chosen = min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, cached), i.instance_id))
-    tokens = load.get(chosen.instance_id, 0)
-    reason = f"least cost of {len(preferred)} ready {chosen.engine} (load {tokens} tokens"
-    reason += f", {cached.get(chosen.node_id, 0)} of {request.prompt_tokens} prompt tokens cached in memory)"
+    held = partial(cached_tokens, cached=cached, remembered=remembered)
+    chosen = choose(preferred, request, load, held, policy, turn)
+    tokens, hit = load.get(chosen.instance_id, 0), held(chosen)
+    reason = f"{POLICY_CHOICE[policy]} of {len(preferred)} ready {chosen.engine} (load {tokens} tokens"
+    reason += f", {hit} of {request.prompt_tokens} prompt tokens cached in memory)"
     if tier2_tokens:
         reason += f"; object storage holds {tier2_tokens}"
     if chosen.model_id != request.model_id:
@@ -150,7 +194,7 @@ def route(
     plan = plan_prefill(
         state,
         chosen,
-        request.prompt_tokens - max(cached.get(chosen.node_id, 0), tier2_tokens),
+        request.prompt_tokens - max(hit, tier2_tokens),
         load,
         request.disaggregate,
         request.avoid_nodes,

@@ -15,6 +15,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import msgspec
 
+from fleet_proto.routing import ROUTING_POLICIES
+
 PREFIX = "FLEET_"
 
 
@@ -63,6 +65,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # the link's rate (bytes/s between workers; 10 Gb/s Ethernet by default) decide.
     disagg_min_tokens: int = 1000
     disagg_link_bytes_per_s: float = 1.25e9
+    # How the scheduler picks among a model's ready instances (fleet_proto.routing): "kv" (load plus
+    # the prompt tokens the instance would compute: KV-aware), "least-loaded" or "round-robin" (the
+    # baselines `fleet bench replay` compares it with).
+    routing_policy: str = "kv"
     # Request tracing: the share of requests the gateway traces (each service follows its choice),
     # and an OTLP/HTTP collector to export spans to besides the metrics-collector ("": none).
     trace_sample_rate: float = 1.0
@@ -181,6 +187,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             shown = raw if name in source else "(from its file)"
             raise SettingsError(f"{name}={shown!r}: {exc}") from None
     settings = Settings(**values)
+    if settings.routing_policy not in ROUTING_POLICIES:
+        raise SettingsError(
+            f"FLEET_ROUTING_POLICY={settings.routing_policy!r}: expected one of {', '.join(ROUTING_POLICIES)}"
+        )
     if settings.redis_password:
         settings = msgspec.structs.replace(
             settings, redis_url=with_password(settings.redis_url, settings.redis_password)

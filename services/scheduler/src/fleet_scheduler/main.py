@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from fleet_proto import (
     ServiceKind,
     State,
 )
+from fleet_proto.engines import engine_facts
 from fleet_proto.routing import route
 from fleet_proto.subjects import ALL_METRICS_SUBJECT, PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
 from fleet_runtime.service import ServiceContext, run
@@ -46,6 +48,7 @@ from fleet_scheduler.liveness import failover_events, timed_out_nodes
 from fleet_scheduler.placement import PlacementError, placed_again, placement_options
 from fleet_scheduler.placer import Placer, created, deletion
 from fleet_scheduler.replacement import failed_pipeline, replacement
+from fleet_scheduler.routed_prefixes import RoutedPrefixes
 from fleet_store.kv_index import TIER2, KVIndex, cached_prefix_blocks, tokens_by_holder
 
 log = logging.getLogger("fleet_scheduler")
@@ -251,6 +254,8 @@ async def main(ctx: ServiceContext) -> None:
     ctx.on_shutdown(metrics_sub.unsubscribe)
 
     lookup = KVLookup(KVIndex(client), ctx.settings.kv_block_size)
+    sent = RoutedPrefixes(ctx.settings.kv_block_size)  # for engines that index no KV
+    turns = itertools.count()  # the round-robin policy's
 
     async def on_route(request: RouteRequest) -> RouteReply:
         with ctx.tracing.span("kv lookup (Redis)", "kv", {"fleet.blocks": len(request.block_hashes)}) as span:
@@ -271,8 +276,14 @@ async def main(ctx: ServiceContext) -> None:
                 tier2,
                 ctx.settings.disagg_min_tokens,
                 ctx.settings.disagg_link_bytes_per_s,
+                sent.held(request),
+                ctx.settings.routing_policy,
+                next(turns),
             )
             span.set_attribute("fleet.reason", reply.reason or reply.error)
+        chosen = ctx.follower.state.instances.get(reply.instance_id)
+        if chosen is not None and engine_facts(chosen.engine).kv_local:
+            sent.remember(request, chosen.instance_id)
         if unindexed and reply.instance_id:  # say so: "0 tokens cached" alone reads like a cold cache
             reply = msgspec.structs.replace(reply, reason=f"{reply.reason}; {unindexed}")
         if reply.instance_id:

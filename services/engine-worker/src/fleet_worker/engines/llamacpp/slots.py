@@ -2,8 +2,8 @@
 engine drops in llama.cpp the cells this module says are dropped).
 
 Prefix reuse per sequence: a finished sequence's KV stays in its slot; a new request takes the free
-slot whose tokens share the longest prefix with its prompt, drops the rest and prefills only the
-remainder (llama-server's cache_prompt). Admission reserves prompt + max_tokens cells per sequence,
+slot that gains it most (the prefix it shares with the slot's tokens, less what it drops), drops the
+rest and prefills only the remainder (llama-server's cache_prompt). Admission reserves prompt + max_tokens cells per sequence,
 so a step never runs out of KV cells; idle slots' KV is dropped, least recently used first, when a
 reservation needs its cells.
 """
@@ -42,14 +42,21 @@ class Slots:
         self.cells = cells
 
     def choose(self, prompt: Sequence[int]) -> tuple[Slot, int] | None:
-        """The free slot for `prompt` and how many of its tokens it can keep, or None when all are
-        busy: the longest cached prefix (the most recently used on a tie), never the last prompt
-        token, whose logits give the first token."""
+        """The free slot for `prompt` and how many of its tokens it can keep (never the last prompt
+        token, whose logits give the first token), or None when all are busy. The slot that gains
+        most: the tokens it reuses less those of another conversation it drops, the least recently
+        used on a tie. So a prompt that shares only a chat template's first tokens with a slot takes
+        an empty one, rather than drop a history its next turn would reuse."""
         free = [slot for slot in self.all if not slot.busy]
         if not free:
             return None
         head = prompt[:-1]
-        slot = max(free, key=lambda s: (common_prefix(s.tokens, head), s.last_used))
+
+        def gain(slot: Slot) -> tuple[int, int]:
+            reused = common_prefix(slot.tokens, head)
+            return reused - (len(slot.tokens) - reused), -slot.last_used
+
+        slot = max(free, key=gain)
         return slot, common_prefix(slot.tokens, head)
 
     def make_room(self, cells: int, keep: Slot) -> tuple[bool, list[Slot]]:
