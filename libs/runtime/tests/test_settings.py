@@ -68,5 +68,6 @@ def test_the_redis_password_goes_into_the_url():
 
 def test_the_routing_policy_is_one_the_scheduler_knows():
     assert load_settings({"FLEET_ROUTING_POLICY": "round-robin"}).routing_policy == "round-robin"
-    with pytest.raises(SettingsError, match="FLEET_ROUTING_POLICY='random': expected one of kv, least-loaded"):
+    expected = "FLEET_ROUTING_POLICY='random': expected one of kv, least-loaded"
+    with pytest.raises(SettingsError, match=expected):
         load_settings({"FLEET_ROUTING_POLICY": "random"})

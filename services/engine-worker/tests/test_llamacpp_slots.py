@@ -1,6 +1,6 @@
 """The llama.cpp engine's slot allocator (pure, no llama.cpp): a request takes the free slot that gains
-it most (the prefix of its prompt but the last token it reuses, less what it drops), and idle slots' tokens give way, least recently
-used first, only as far as a reservation needs their cells."""
+it most (the prefix of its prompt but the last token it reuses, less what it drops), and idle slots'
+tokens give way, least recently used first, only as far as a reservation needs their cells."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ engine drops in llama.cpp the cells this module says are dropped).
 
 Prefix reuse per sequence: a finished sequence's KV stays in its slot; a new request takes the free
 slot that gains it most (the prefix it shares with the slot's tokens, less what it drops), drops the
-rest and prefills only the remainder (llama-server's cache_prompt). Admission reserves prompt + max_tokens cells per sequence,
-so a step never runs out of KV cells; idle slots' KV is dropped, least recently used first, when a
-reservation needs its cells.
+rest and prefills only the remainder (llama-server's cache_prompt). Admission reserves prompt +
+max_tokens cells per sequence, so a step never runs out of KV cells; idle slots' KV is dropped, least
+recently used first, when a reservation needs its cells.
 """
 
 from __future__ import annotations
