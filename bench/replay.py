@@ -63,7 +63,8 @@ class TurnResult:
     completion_tokens: int = 0
     error: str = ""
     request_id: str = ""
-    worker: str = ""  # Fleet sides: the worker the scheduler routed it to
+    worker: str = ""  # Fleet sides: the worker the scheduler routed it to, and why
+    route_reason: str = ""
 
 
 # -- pure parts ------------------------------------------------------------------------------------
@@ -194,8 +195,8 @@ async def send_turn(
     return result
 
 
-async def routed_workers(nats_url: str, workers: dict[str, str]):
-    """Follow Fleet's routing decisions (fleet.route.decided): request id -> worker, into `workers`."""
+async def routed_workers(nats_url: str, workers: dict[str, tuple[str, str]]):
+    """Follow Fleet's routing decisions (fleet.route.decided): request id -> (worker, reason)."""
     import msgspec
 
     from fleet_bus import Bus
@@ -206,7 +207,7 @@ async def routed_workers(nats_url: str, workers: dict[str, str]):
 
     async def on_decided(msg) -> None:
         decided = msgspec.json.decode(msg.data, type=RouteDecided)
-        workers[decided.request_id] = decided.reply.worker_id
+        workers[decided.request_id] = (decided.reply.worker_id, decided.reply.reason)
 
     await bus.nc.subscribe(ROUTE_DECIDED_SUBJECT, cb=on_decided)
     return bus
@@ -218,7 +219,7 @@ async def replay(
     """Every session as a closed loop from its arrival; the summary of the whole replay (with
     `nats_url`, a Fleet side's, each turn's worker too)."""
     results: list[TurnResult] = []
-    workers: dict[str, str] = {}
+    workers: dict[str, tuple[str, str]] = {}
     bus = await routed_workers(nats_url, workers) if nats_url else None
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
 
@@ -239,7 +240,7 @@ async def replay(
     if bus is not None:
         await bus.close()
     for result in results:
-        result.worker = workers.get(result.request_id, "")
+        result.worker, result.route_reason = workers.get(result.request_id, ("", ""))
     return summarize(results, wall) | {"turns": [asdict(r) for r in results]}
 
 

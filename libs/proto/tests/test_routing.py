@@ -15,11 +15,12 @@ from fleet_proto import (
     ModelCard,
     ModelStaged,
     NodeJoined,
+    RouteReply,
     RouteRequest,
     Shard,
 )
 from fleet_proto.messages import EMBED_TASK
-from fleet_proto.routing import route
+from fleet_proto.routing import route, routed_work
 from fleet_proto.testing import bare_node, state_of
 
 pytestmark = pytest.mark.unit
@@ -303,3 +304,14 @@ def test_what_the_router_sent_counts_only_for_an_engine_whose_kv_is_not_indexed(
     # an MLX instance's KV is in the index: the index, not the router's memory, says what it holds
     mlx = state_of(*ready("a"), *ready("b"))
     assert route(mlx, CHAT, {"a": 200, "b": 0}, remembered={"a": 768}).instance_id == "b"
+
+
+def test_a_routed_request_weighs_on_its_instance_with_the_tokens_new_to_it():
+    state = state_of(*ready("a", engine="llamacpp"), *ready("b"), *ready("p", role="prefill", engine="vllm"))
+    to_a = RouteReply(instance_id="a", worker_id="n-a")
+    assert routed_work(to_a, state, CHAT, {}, {"a": 768}) == {"a": 232}
+    to_b = msgspec.structs.replace(to_a, instance_id="b", worker_id="n-b")
+    assert routed_work(to_b, state, CHAT, {"n-b": 256}, {}, tier2_tokens=512) == {"b": 488}
+    split = msgspec.structs.replace(to_b, prefill_instance_id="p", prefill_worker_id="n-p")
+    assert routed_work(split, state, CHAT, {}, {}) == {"b": 1000, "p": 1000}
+    assert routed_work(msgspec.structs.replace(to_a, instance_id="gone"), state, CHAT, {}, {}) == {}

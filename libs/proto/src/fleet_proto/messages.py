@@ -298,6 +298,15 @@ class RouteRequest(Frozen):
     avoid_nodes: tuple[str, ...] = ()
     avoid_instances: tuple[str, ...] = ()
     task: str = GENERATE_TASK  # or EMBED_TASK: an EmbedTask, for an instance of an embedding model
+    # The prompt's chained hashes in finer blocks of PREFIX_BLOCK_TOKENS (seeded like block_hashes):
+    # what the scheduler remembers routing (engines that index no KV), where a conversation's turn
+    # adds less than a KV block.
+    prefix_hashes: tuple[str, ...] = ()
+
+
+# Tokens per prefix hash of RouteRequest.prefix_hashes: a conversation's turn adds tens to hundreds
+# of tokens, so 256-token KV blocks would credit an instance with only its whole blocks.
+PREFIX_BLOCK_TOKENS = 32
 
 
 class RouteReply(Frozen):

@@ -11,10 +11,13 @@ cost wins, in tokens (Dynamo's router formula, prefill weight 1):
 
     cost = load + (prompt tokens - prompt tokens whose KV the instance's node holds in memory)
 
-load = tokens running + queued on the instance, as its worker last reported plus what was routed to
-it since; the cached part comes from the KV block index (leading blocks per node). Ties go to the
-lowest instance id, so the choice is deterministic. The reason records the expected hit, and how
-much of the prompt object storage (tier 2) holds: any worker can fetch that, so it moves no choice.
+load = tokens running + queued on the instance, as its worker last reported plus the prompt tokens
+new to it routed there since (routed_work); the cached part comes from the KV block index (leading
+blocks per node), or for an engine that indexes nothing (llama.cpp) from what this router sent it
+(`remembered`). Ties go to the lowest instance id, so the choice is deterministic. The reason
+records the expected hit, and how much of the prompt object storage (tier 2) holds: any worker can
+fetch that, so it moves no choice. FLEET_ROUTING_POLICY may swap the cost for the load alone
+("least-loaded") or a rotation ("round-robin"): the baselines `fleet bench replay` compares with.
 
 Disaggregation (fleet_proto.partners): the prompt part the chosen decoder would have to compute
 (neither in its node's memory nor in object storage) is prefilled on another instance of the same
@@ -132,6 +135,29 @@ def cached_tokens(instance: Instance, cached: Mapping[str, int], remembered: Map
     if engine_facts(instance.engine).kv_local:
         held = max(held, remembered.get(instance.instance_id, 0))
     return held
+
+
+def routed_work(
+    reply: RouteReply,
+    state: State,
+    request: RouteRequest,
+    cached: Mapping[str, int],
+    remembered: Mapping[str, int],
+    tier2_tokens: int = 0,
+) -> dict[str, int]:
+    """What a routed request adds to each chosen instance's load until its worker reports again: the
+    prompt tokens new to it (neither held there nor in object storage), which the decoder computes
+    or a prefill partner computes for it. Not the whole prompt: a conversation's next turn, sent
+    back to the instance holding its history, would otherwise weigh there as if recomputed, and the
+    load term would push the turn after it away from that history."""
+    decoder = state.instances.get(reply.instance_id)
+    if decoder is None:
+        return {}
+    new = max(request.prompt_tokens - max(cached_tokens(decoder, cached, remembered), tier2_tokens), 0)
+    work = {decoder.instance_id: new}
+    if reply.prefill_instance_id:
+        work[reply.prefill_instance_id] = new
+    return work
 
 
 def route_cost(instance: Instance, prompt_tokens: int, load: Mapping[str, int], held: int) -> int:

@@ -37,7 +37,7 @@ from fleet_proto import (
     SamplingParams,
     TokenChunk,
 )
-from fleet_proto.messages import EMBED_TASK, TASK_TTL_S, UNAVAILABLE, WorkerTask
+from fleet_proto.messages import EMBED_TASK, PREFIX_BLOCK_TOKENS, TASK_TTL_S, UNAVAILABLE, WorkerTask
 from fleet_proto.routing import DEFAULT_DISAGG_MIN_TOKENS, route
 from fleet_proto.subjects import (
     REQUEST_STATS_SUBJECT,
@@ -224,6 +224,11 @@ class Generator:
             block_hashes=hashes,
             kv_fingerprint=kv_fingerprint,
             disaggregate=choice.disaggregate,
+            prefix_hashes=(
+                tuple(block_hashes(kv_fingerprint, prompt_token_ids, PREFIX_BLOCK_TOKENS))
+                if kv_fingerprint
+                else ()
+            ),
         )
 
         def task(

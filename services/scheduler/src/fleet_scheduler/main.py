@@ -39,7 +39,7 @@ from fleet_proto import (
     State,
 )
 from fleet_proto.engines import engine_facts
-from fleet_proto.routing import route
+from fleet_proto.routing import route, routed_work
 from fleet_proto.subjects import ALL_METRICS_SUBJECT, PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
 from fleet_runtime.service import ServiceContext, run
 from fleet_scheduler.engine_choice import faster_engine, moved_to_engine
@@ -60,7 +60,8 @@ Answered = set[tuple[str, int]]
 
 
 class LoadTracker:
-    """Tokens running + queued per instance: the workers' last report plus what was routed since."""
+    """Tokens running + queued per instance: the workers' last report plus the prompt tokens new to
+    it routed there since (fleet_proto.routing.routed_work)."""
 
     def __init__(self) -> None:
         self.reported: dict[str, int] = {}
@@ -74,8 +75,8 @@ class LoadTracker:
             self.reported[instance_id] = running + metrics.queued_tokens.get(instance_id, 0)
             self.routed_since_report.pop(instance_id, None)
 
-    def on_routed(self, instance_id: str, prompt_tokens: int) -> None:
-        self.routed_since_report[instance_id] = self.routed_since_report.get(instance_id, 0) + prompt_tokens
+    def on_routed(self, instance_id: str, tokens: int) -> None:
+        self.routed_since_report[instance_id] = self.routed_since_report.get(instance_id, 0) + tokens
 
     def load(self) -> dict[str, int]:
         keys = self.reported.keys() | self.routed_since_report.keys()
@@ -254,7 +255,7 @@ async def main(ctx: ServiceContext) -> None:
     ctx.on_shutdown(metrics_sub.unsubscribe)
 
     lookup = KVLookup(KVIndex(client), ctx.settings.kv_block_size)
-    sent = RoutedPrefixes(ctx.settings.kv_block_size)  # for engines that index no KV
+    sent = RoutedPrefixes()  # for engines that index no KV
     turns = itertools.count()  # the round-robin policy's
 
     async def on_route(request: RouteRequest) -> RouteReply:
@@ -267,6 +268,7 @@ async def main(ctx: ServiceContext) -> None:
                     "fleet.tier2_tokens": tier2,  # in object storage
                 }
             )
+        remembered = sent.held(request)
         with ctx.tracing.span("route decision", "route") as span:
             reply = route(
                 ctx.follower.state,
@@ -276,7 +278,7 @@ async def main(ctx: ServiceContext) -> None:
                 tier2,
                 ctx.settings.disagg_min_tokens,
                 ctx.settings.disagg_link_bytes_per_s,
-                sent.held(request),
+                remembered,
                 ctx.settings.routing_policy,
                 next(turns),
             )
@@ -286,10 +288,10 @@ async def main(ctx: ServiceContext) -> None:
             sent.remember(request, chosen.instance_id)
         if unindexed and reply.instance_id:  # say so: "0 tokens cached" alone reads like a cold cache
             reply = msgspec.structs.replace(reply, reason=f"{reply.reason}; {unindexed}")
-        if reply.instance_id:
-            tracker.on_routed(reply.instance_id, request.prompt_tokens)
-        if reply.prefill_instance_id:
-            tracker.on_routed(reply.prefill_instance_id, request.prompt_tokens)
+        for instance_id, tokens in routed_work(
+            reply, ctx.follower.state, request, cached, remembered, tier2
+        ).items():
+            tracker.on_routed(instance_id, tokens)
         decided = RouteDecided(
             request_id=request.request_id,
             model_id=request.model_id,
