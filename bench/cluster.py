@@ -67,23 +67,15 @@ def two_workers(state_dir: Path, w1: dict[str, str], w2: dict[str, str]) -> Iter
     """An embedded stack whose own worker is w1, plus a second worker w2; yields the manifest and
     w2's PID."""
     from fleet_local import stack
-    from fleet_local.processes import spawn, stop_pid
 
     os.environ |= {"FLEET_NODE_ID": "w1", **w1}
     manifest = stack.up(state_dir, gateway_port=0, auth=False)
-    env = {
-        **os.environ,
-        **manifest.env,  # the servers and their credentials
-        "FLEET_STATE_DIR": str(state_dir / "w2"),
-        "FLEET_HEALTH_PORT": "0",
-        "FLEET_NODE_ID": "w2",
-        **w2,
-    }
-    worker = spawn([sys.executable, "-m", "fleet_worker"], state_dir / "logs" / "w2.log", env)
+    cluster = Cluster(manifest, state_dir, ("w2",), w2)
     try:
-        yield manifest, worker.pid
+        cluster.start("w2")
+        yield manifest, cluster.pids["w2"]
     finally:
-        stop_pid(worker.pid)
+        cluster.stop_all()
         stack.down(state_dir)
 
 

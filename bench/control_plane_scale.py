@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -424,21 +425,6 @@ def metrics_figures(state: State, messages: int) -> dict:
     }
 
 
-def start_redis(root: Path) -> tuple:
-    """Our own Redis: no persistence, and no maxmemory, so nothing is evicted while it is measured."""
-    from fleet_local.processes import free_port, spawn, wait_tcp
-    from fleet_local.servers import redis_binary
-
-    port, log = free_port(), root / "redis.log"
-    argv = [
-        redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(root), "--save", "",
-        "--appendonly", "no", "--daemonize", "no", "--unixsocket", "",
-    ]  # fmt: skip
-    proc = spawn(argv, log)
-    wait_tcp(proc, "redis", log, port, 20)
-    return proc, port
-
-
 def drain(sock: socket.socket, replies: int) -> None:
     """Read `replies` integer replies (":1\\r\\n"); an error reply ("-ERR ...") fails the fill."""
     lines = 0
@@ -634,6 +620,7 @@ def run_scale(workers: int | None = None, blocks: int | None = None, quick: bool
     from cluster import discard, scratch_dir
 
     from fleet_local.processes import stop_pid
+    from fleet_local.servers import start_redis
 
     workers = workers or (100 if quick else GOAL_WORKERS)
     blocks = blocks or (100_000 if quick else GOAL_BLOCKS)
@@ -647,13 +634,15 @@ def run_scale(workers: int | None = None, blocks: int | None = None, quick: bool
     result["state"] = {str(n): state_figures(n) for n in sizes}
     result["metrics"] = metrics_figures(states[workers], messages)
     root = scratch_dir("fleet-bench-scale-")
-    proc, port = start_redis(root)
+    # no persistence, and no maxmemory, so nothing is evicted while it is measured
+    redis = start_redis(root, save="", maxmemory="0")
     try:
+        port = urlsplit(redis.url).port or 0
         result["index"], result["decision"] = asyncio.run(
             index_figures(port, states[workers], blocks, lookups, add_blocks)
         )
     finally:
-        stop_pid(proc.pid)
+        stop_pid(redis.pid)
     discard(root)
     result["verdict"] = verdict(result)
     report(result)

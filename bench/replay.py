@@ -39,9 +39,10 @@ from cluster import REPO, discard, scratch_dir, serving_everywhere, stage, worke
 from loadgen import percentile
 from workload import TraceParams, TraceRequest, describe, generate, read_trace, write_trace
 
+from fleet_proto.routing import ROUTING_POLICIES
+
 Turned = TypeVar("Turned", TraceRequest, "TurnResult")
 REQUEST_TIMEOUT_S = 300.0
-POLICIES = ("kv", "round-robin", "least-loaded")
 ENGINE = "llamacpp"  # the default model's engine; its KV stays in its slots (routed_prefixes.py)
 # one thread per worker (the sides share this machine's cores) and room for many conversations'
 # histories in its slots (the trained context, 8k cells, would hold only a few)
@@ -302,7 +303,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--write-trace", type=Path, help="write the generated trace here and stop")
     parser.add_argument("--url", help="replay against this OpenAI-compatible server instead of Fleet")
     parser.add_argument("--model", default="", help="the model name to send (with --url)")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="Fleet's routing policies to compare")
+    parser.add_argument("--policies", default=",".join(ROUTING_POLICIES), help="routing policies to compare")
     parser.add_argument("--workers", default="2", help="Fleet worker counts, e.g. 1,2,3")
     parser.add_argument("--baseline", default="", help="the side ratios are to (default: round-robin's)")
     parser.add_argument("--seed", type=int, default=0)

@@ -309,8 +309,9 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[TraceRequest]]:
     requests = []
     for number, line in enumerate(lines[1:], start=2):
         if line.strip():  # a blank line (a trailing one, say) holds no request
+            fields = _parse_line(path, number, line)  # its own error names the line
             try:
-                requests.append(TraceRequest.from_json(_parse_line(path, number, line)))
+                requests.append(TraceRequest.from_json(fields))
             except ValueError as e:
                 raise ValueError(f"{path}:{number}: malformed request: {e}") from e
     return header["params"], requests

@@ -172,15 +172,19 @@ def start_s3(root: Path, access_key: str = "", secret_key: str = "", timeout_s: 
     return _handle("s3", proc, f"127.0.0.1:{s3_port}", log, health, leftovers, extra)
 
 
-def start_redis(root: Path, password: str = "", timeout_s: float = 20.0) -> ServerHandle:
+def start_redis(
+    root: Path, password: str = "", timeout_s: float = 20.0, save: str = "60 1", maxmemory: str = "256mb"
+) -> ServerHandle:
+    """The stack's Redis; `save` "" keeps nothing on disk, `maxmemory` "0" sets no bound (a benchmark
+    that measures the index's own size)."""
     port = free_port()
     data = root / "redis"
     data.mkdir(parents=True, exist_ok=True)
     argv = [
         redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data),
-        "--save", "60 1", "--appendonly", "no", "--daemonize", "no", "--unixsocket", "",
+        "--save", save, "--appendonly", "no", "--daemonize", "no", "--unixsocket", "",
         # The KV block index is what may be dropped under pressure: its keys carry TTLs, other data not.
-        "--maxmemory", "256mb", "--maxmemory-policy", "volatile-lru",
+        "--maxmemory", maxmemory, "--maxmemory-policy", "volatile-lru",
     ]  # fmt: skip
     if password:
         argv += ["--requirepass", password]

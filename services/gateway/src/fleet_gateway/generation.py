@@ -212,11 +212,11 @@ class Generator:
         """Route, send the task, stream its chunks; with a KV fingerprint the prompt's block hashes go
         along, so the scheduler can route to cached prefixes and the worker can look them up.
         `choice` says what the request asks of remote prefill."""
-        hashes = (
-            tuple(block_hashes(kv_fingerprint, prompt_token_ids, self._kv_block_size))
-            if kv_fingerprint
-            else ()
-        )
+
+        def hashed(block_size: int) -> tuple[str, ...]:
+            return tuple(block_hashes(kv_fingerprint, prompt_token_ids, block_size)) if kv_fingerprint else ()
+
+        hashes = hashed(self._kv_block_size)
         route_request = RouteRequest(
             request_id=request_id,
             model_id=model_id,
@@ -224,11 +224,7 @@ class Generator:
             block_hashes=hashes,
             kv_fingerprint=kv_fingerprint,
             disaggregate=choice.disaggregate,
-            prefix_hashes=(
-                tuple(block_hashes(kv_fingerprint, prompt_token_ids, PREFIX_BLOCK_TOKENS))
-                if kv_fingerprint
-                else ()
-            ),
+            prefix_hashes=hashed(PREFIX_BLOCK_TOKENS),
         )
 
         def task(
