@@ -5,6 +5,7 @@ engine is replaced by the echo engine (fleet_worker.engines.echo_engine: no mode
     .venv/bin/fleet bench control-plane               # ~1 minute
     .venv/bin/fleet bench control-plane --quick       # smaller counts (what the tests run)
     .venv/bin/fleet bench control-plane --scale       # 1,000 simulated workers, 10M KV blocks in Redis
+    .venv/bin/fleet bench control-plane --overhead    # the gateway's cost per request, 1 and 2 replicas
 
 1. Routing: `route()` called directly, and `fleet.route` requests answered by a real scheduler over
    NATS (one at a time, and 16 in flight) on a synthetic cluster of 16 nodes / 64 ready instances
@@ -256,7 +257,9 @@ def run_gateway(root: Path, sequential: int, concurrent: int, stream_tokens: int
     sys.path.insert(0, str(REPO))
     from tests.support import make_chat_model
 
-    os.environ["FLEET_NODE_ENGINES"] = "echo"  # the worker offers only the echo engine
+    # the worker offers only the echo engine, and computes no calibration or quality reference (it
+    # would take a core for seconds after the instance is ready, under the figures)
+    os.environ |= {"FLEET_NODE_ENGINES": "echo", "FLEET_CALIBRATION": "off"}
     source = f"file://{make_chat_model(root / 'tiny-src', max_positions=4096)}"  # room for long streams
     manifest = stack.up(root / "stack", gateway_port=free_port(), auth=False)
     try:
@@ -292,6 +295,20 @@ def report(result: dict) -> None:
           f"{g['stream_tokens_per_s_8_streams']:.0f} tok/s on 8")  # fmt: skip
 
 
+def overhead(args: argparse.Namespace) -> int:
+    import control_plane_overhead as cpo
+
+    default = cpo.QUICK_RATES if args.quick else cpo.RATES
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else list(default)
+    step_s = args.step_seconds or (1.0 if args.quick else 5.0)
+    root = scratch_dir("fleet-bench-overhead-")
+    result = cpo.run_overhead(root, rates, step_s, args.quick)
+    discard(root)
+    cpo.report(result)
+    write_result(args.out, "control_plane_overhead", {"overhead": result})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -302,7 +319,15 @@ def main(argv: list[str] | None = None) -> int:
                         "(bench/control_plane_scale.py)")  # fmt: skip
     parser.add_argument("--workers", type=int, help="--scale: workers (default 1,000; --quick 100)")
     parser.add_argument("--blocks", type=int, help="--scale: KV blocks indexed (default 10M; --quick 100k)")
+    parser.add_argument("--overhead", action="store_true", help="the gateway's cost per request under "
+                        "open-loop load, one and two gateways (bench/control_plane_overhead.py)")  # fmt: skip
+    parser.add_argument("--rates", help="--overhead: offered req/s, comma separated (default "
+                        "25,50,100,150,200,300; --quick 20,40)")  # fmt: skip
+    parser.add_argument("--step-seconds", type=float, help="--overhead: seconds of arrivals per rate "
+                        "(default 5; --quick 1)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.overhead:
+        return overhead(args)
     if args.scale:
         from control_plane_scale import run_scale
 

@@ -1,6 +1,6 @@
 """The control plane at scale, simulated: no engines and no NATS, a synthetic State of N workers and the
 KV block index in a real Redis (valkey-server, as `fleet up` runs it) holding millions of blocks.
-(Whole at ~650 lines: its three measurements share one synthetic cluster and one Redis fill, and the
+(Whole at ~680 lines: its three measurements share one synthetic cluster and one Redis fill, and the
 verdict reads them all; the pure parts are tested in tests/test_bench_control_plane_scale.py.)
 
     .venv/bin/fleet bench control-plane --scale                # 1,000 workers, 10M blocks (minutes)
@@ -9,12 +9,14 @@ verdict reads them all; the pure parts are tested in tests/test_bench_control_pl
 
 1. Routing: `route()` on a State of 16, 100 and N workers (one mlx instance per node, 4 models, the
    events bench/control_plane.py's cluster_events makes), with a load on every instance and a cached
-   prefix on 4 nodes: p50/p99 per decision.
+   prefix on 4 nodes: p50/p99 per decision on a RoutingView kept across decisions (as the scheduler
+   does), and the first decision on a new State (a new view: what a decision after an event costs).
 2. KV index: Redis filled with `blocks` blocks (prompts of 8-64 chained blocks, each on one node,
-   every other prompt in object storage too): the fill rate, used_memory per block, `holders()`
-   p50/p99 for prompts of 4, 16 and 64 blocks, the scheduler's fold of the reply
-   (cached_prefix_blocks + tokens_by_holder), and the whole decision as the scheduler makes it
-   (KVLookup.cached_prefixes + LoadTracker.load() + route()) at N workers.
+   every other prompt in object storage too): the fill rate, used_memory per block, p50/p99 for
+   prompts of 4, 16 and 64 blocks of routing's lookup `prefix_blocks()` (one Lua script) and of
+   `holders()` (a pipeline of SMEMBERS) with its fold (cached_prefix_blocks + tokens_by_holder), and
+   the whole decision as the scheduler makes it (KVLookup.cached_prefixes + LoadTracker.load() +
+   route()) at N workers.
 3. State: its JSON size (and GET /state's, partner table included), events/s replayed and decoded +
    applied, one event applied to the N-worker State, and the NodeMetrics each worker sends once a
    second: messages/s and the scheduler's CPU to decode and fold them (LoadTracker.on_metrics).
@@ -44,6 +46,7 @@ from control_plane import cluster_events
 from loadgen import percentile
 
 from fleet_proto import RouteRequest, State
+from fleet_proto.partners import PARTNERS_LISTED
 from fleet_store.kv import DEFAULT_BLOCK_SIZE, block_hashes, model_fingerprint
 from fleet_store.kv_index import DEFAULT_TTL_S, TIER2, block_key
 
@@ -225,14 +228,16 @@ def verdict(scale: dict) -> list[str]:
     if (workers, blocks) != (GOAL_WORKERS, GOAL_BLOCKS):
         at = f" (set at {GOAL_WORKERS:,} workers, {GOAL_BLOCKS:,} blocks)"
     larger = "route()" if parts["route"]["p50_us"] >= parts["lookup"]["p50_us"] else "the KV lookup"
-    lookups = "/".join(f"{index['holders'][s]['p99_us'] / 1000:.2f}" for s in index["holders"])
+    lookups = "/".join(f"{index['prefix_blocks'][s]['p99_us'] / 1000:.2f}" for s in index["prefix_blocks"])
+    pipelined = "/".join(f"{index['holders'][s]['p99_us'] / 1000:.2f}" for s in index["holders"])
     lines = [
         f"decision p99 {p99_ms:.2f} ms at {workers:,} workers and {blocks:,} blocks ({worst}-block "
         f"prompts): {ok} the {GOAL_DECISION_MS:g} ms goal{at}",
         f"  in it route() p50 {parts['route']['p50_us'] / 1000:.2f} p99 {route_ms:.2f} ms, KV lookup "
         f"p50 {parts['lookup']['p50_us'] / 1000:.2f} p99 {lookup_ms:.2f} ms: the larger part is {larger}",
-        f"  holders() p99 by prompt blocks ({'/'.join(index['holders'])}): {lookups} ms; by index size, "
-        f"16 blocks p50 {index['holders']['16']['p50_us'] / 1000:.2f} ms at {blocks:,} blocks, "
+        f"  prefix_blocks() p99 by prompt blocks ({'/'.join(index['prefix_blocks'])}): {lookups} ms "
+        f"(holders(): {pipelined} ms); by index size, holders() of 16 blocks p50 "
+        f"{index['holders']['16']['p50_us'] / 1000:.2f} ms at {blocks:,} blocks, "
         f"{index['holders_16_small_index']['p50_us'] / 1000:.2f} ms at {index['small_index_blocks']:,}",
     ]
     smaller = [int(n) for n in scale["routing"] if int(n) < workers]
@@ -252,7 +257,7 @@ def verdict(scale: dict) -> list[str]:
         f"growth from {small} to {workers:,} workers: " + ", ".join(f"{n} ~N^{k:.1f}" for n, k in ranked)
     )
     route_k = growth["route() per decision"]
-    if route_k > 0:  # route() is O(instances): it grows with workers, the lookup does not
+    if route_k > 0:  # route() is O(the model's instances), here a quarter of all: it grows with workers
         at_p99 = workers_at_goal(workers, route_k, route_ms, parts["rest_p99_us"] / 1000)
         at_p50 = workers_at_goal(
             workers, route_k, parts["route"]["p50_us"] / 1000, parts["rest_p50_us"] / 1000
@@ -262,14 +267,15 @@ def verdict(scale: dict) -> list[str]:
             for n in (at_p99, at_p50)
         ]
         lines.append(
-            f"grows first with workers: route() (O(instances) per decision, ~N^{route_k:.1f}): the decision "
+            f"grows first with workers: route() (O(the model's instances) per decision, ~N^{route_k:.1f} "
+            f"here, where every model has N/{MODELS}): the decision "
             f"reaches {GOAL_DECISION_MS:g} ms at {said[0]} at p99, {said[1]} at p50"
         )
     top = state[str(workers)]
     metrics, per_block = scale["metrics"], index["used_memory_bytes_per_block"]
     lines += [
         f"GET /state at {workers:,} workers: {top['get_state_bytes'] / 1e6:.1f} MB in "
-        f"{top['get_state_ms']:.0f} ms (its partner table lists every decoder's partners)",
+        f"{top['get_state_ms']:.0f} ms (its partner table: at most {PARTNERS_LISTED} partners per decoder)",
         f"metrics: {metrics['messages_per_s']:,.0f} NodeMetrics/s cost the scheduler "
         f"{100 * metrics['scheduler_core_share']:.2f}% of a core",
         f"Redis: {per_block:.0f} bytes/block: {per_block * GOAL_BLOCKS / 2**30:.2f} GiB at "
@@ -340,27 +346,38 @@ def worker_metrics(state: State, seed: int = 0) -> list:
 # --- measuring ---------------------------------------------------------------------------------
 
 
-def time_routing(state: State, calls: int) -> dict:
+def time_routing(state: State, calls: int, first_calls: int = 50) -> dict:
+    """route() per decision on the State's RoutingView, kept across decisions as the scheduler keeps
+    it (the first call builds it); and `first_calls` decisions each on a new view (a new State)."""
     from fleet_proto.routing import route
+    from fleet_proto.routing_view import RoutingView, view_of
 
     load = synthetic_load(state)
     asks = route_requests(calls)
     cached = {
         (a.model_id, a.prompt_tokens): synthetic_cached(state, a.model_id, a.prompt_tokens) for a in asks
     }
-    samples = []
+    samples, firsts = [], []
+    view: RoutingView | None = None
     for ask in asks:
         held = cached[ask.model_id, ask.prompt_tokens]
         started = time.perf_counter_ns()
-        reply = route(state, ask, load, held)
+        view = view_of(state, view)
+        reply = route(state, ask, load, held, view=view)
         samples.append(time.perf_counter_ns() - started)
         assert reply.instance_id, reply.error
-    return summary_us(samples) | {"instances": len(state.instances)}
+    for ask in asks[:first_calls]:
+        held = cached[ask.model_id, ask.prompt_tokens]
+        started = time.perf_counter_ns()
+        route(state, ask, load, held, view=RoutingView(state))
+        firsts.append(time.perf_counter_ns() - started)
+    return summary_us(samples) | {"instances": len(state.instances), "first_on_new_state": summary_us(firsts)}
 
 
 def state_figures(workers: int, one_event_repeats: int = 200) -> dict:
     from fleet_proto import NodeJoined, apply, decode_event, encode, replay
     from fleet_proto.partners import partner_table
+    from fleet_proto.routing_view import RoutingView
 
     events = cluster_events(workers, workers)
     started = time.perf_counter()
@@ -374,7 +391,9 @@ def state_figures(workers: int, one_event_repeats: int = 200) -> dict:
     decode_apply_s = time.perf_counter() - started
     state_json = msgspec.json.encode(state)
     started = time.perf_counter()  # the gateway's GET /state (fleet_gateway.app.get_state)
-    body = msgspec.json.encode(msgspec.to_builtins(state) | {"partners": partner_table(state)})
+    body = msgspec.json.encode(
+        msgspec.to_builtins(state) | {"partners": partner_table(state, RoutingView(state))}
+    )
     get_state_s = time.perf_counter() - started
     rejoin = NodeJoined(node=state.nodes["node-0"])  # one more event on the full State (dicts are copied)
     samples = []
@@ -464,6 +483,7 @@ async def index_figures(
     import redis.asyncio as aioredis
 
     from fleet_proto.routing import route
+    from fleet_proto.routing_view import RoutingView, view_of
     from fleet_scheduler.main import KV_LOOKUP_TIMEOUT_S, KVLookup, LoadTracker
     from fleet_store.kv_index import KVIndex, cached_prefix_blocks, tokens_by_holder
 
@@ -504,14 +524,19 @@ async def index_figures(
         tracker.on_metrics(metrics)
     lookup = KVLookup(index, DEFAULT_BLOCK_SIZE, KV_LOOKUP_TIMEOUT_S)
     rng = random.Random(1)
-    holders, folds, decisions, hits = {}, {}, {}, {}
+    holders, prefixes, folds, decisions, hits = {}, {}, {}, {}, {}
+    view: RoutingView | None = None
     for size in LOOKUP_BLOCKS:
         asks = [lookup_request(rng.randrange(prompts), size, workers, fingerprints) for _ in range(lookups)]
-        times, replies = [], []
+        times, replies, prefix_times = [], [], []
         for ask in asks:
             started = time.perf_counter_ns()
             replies.append(await index.holders(ask.kv_fingerprint, ask.block_hashes))
             times.append(time.perf_counter_ns() - started)
+            started = time.perf_counter_ns()
+            in_redis = await index.prefix_blocks(ask.kv_fingerprint, ask.block_hashes)
+            prefix_times.append(time.perf_counter_ns() - started)
+            assert in_redis == cached_prefix_blocks(replies[-1])
         fold_times, hit_blocks = [], []
         for reply in replies:  # what KVLookup.cached_prefixes does with the reply
             started = time.perf_counter_ns()
@@ -526,10 +551,12 @@ async def index_figures(
             looked_up = time.perf_counter_ns()
             load = tracker.load()
             loaded = time.perf_counter_ns()
-            reply = route(state, ask, load, cached, tier2)
+            view = view_of(state, view)
+            reply = route(state, ask, load, cached, tier2, view=view)
             parts.append((looked_up - started, loaded - looked_up, time.perf_counter_ns() - loaded))
             assert reply.instance_id, reply.error
         holders[str(size)], folds[str(size)] = summary_us(times), summary_us(fold_times)
+        prefixes[str(size)] = summary_us(prefix_times)
         decisions[str(size)], hits[str(size)] = (
             decision_summary(parts),
             sum(hit_blocks) / (size * len(asks)),
@@ -547,6 +574,7 @@ async def index_figures(
         "used_memory_bytes_per_block": (after - before) / written,
         "lookups": lookups,
         "holders": holders,
+        "prefix_blocks": prefixes,
         "holders_16_small_index": summary_us(small_index),
         "small_index_blocks": add_blocks,
         "fold": folds,
@@ -565,11 +593,14 @@ def report(scale: dict) -> None:
         f"\ncontrol plane at scale (simulated: {workers:,} workers, {blocks:,} indexed blocks; "
         f"{machine['cpus']} CPUs, load average {machine['load_avg_1m_at_start']:.2f} at the start)"
     )
-    print("route() per decision (one instance per node, 4 models, load on every instance)")
+    print(
+        "route() per decision (one instance per node, 4 models, load on every instance; a RoutingView kept)"
+    )
     for size, r in scale["routing"].items():
+        first = r["first_on_new_state"]
         print(
             f"  {int(size):6,} workers   p50 {r['p50_us']:9.1f} us   p99 {r['p99_us']:9.1f} us   "
-            f"({r['n']:,} calls)"
+            f"({r['n']:,} calls); first on a new State p50 {first['p50_us']:7.1f} us"
         )
     print(
         f"KV index in Redis: {index['blocks']:,} blocks in {index['prompts']:,} prompts, filled at "
@@ -583,10 +614,12 @@ def report(scale: dict) -> None:
     )
     for size in map(str, LOOKUP_BLOCKS):
         h, f, d = index["holders"][size], index["fold"][size], scale["decision"][size]
+        pb = index["prefix_blocks"][size]
         print(
-            f"  {size:>2}-block prompt ({100 * index['hit_fraction'][size]:.0f}% of blocks hit): holders() "
-            f"p50 {h['p50_us']:7.1f} p99 {h['p99_us']:7.1f} us, fold p50 {f['p50_us']:4.1f} p99 "
-            f"{f['p99_us']:4.1f} us"
+            f"  {size:>2}-block prompt ({100 * index['hit_fraction'][size]:.0f}% of blocks hit): "
+            f"prefix_blocks() p50 {pb['p50_us']:7.1f} p99 {pb['p99_us']:7.1f} us; holders() p50 "
+            f"{h['p50_us']:7.1f} p99 "
+            f"{h['p99_us']:7.1f} us + fold p50 {f['p50_us']:4.1f} p99 {f['p99_us']:4.1f} us"
         )
         print(
             f"      decision p50 {d['p50_us'] / 1000:6.2f} p99 {d['p99_us'] / 1000:6.2f} ms = KV lookup "

@@ -5,6 +5,7 @@ documents, shared system prompts) replayed against OpenAI-compatible servers, si
         --param agent_share=0 --param document_share=0                          # write a trace
     fleet bench replay --trace chat.jsonl --url http://127.0.0.1:8080 --model M   # any server
     fleet bench replay --policies kv,round-robin,least-loaded --workers 2     # Fleet, own stacks
+    fleet bench replay --trace chat.jsonl --peers llama.cpp                  # + llama.cpp's server
     fleet bench replay --quick                                                # what the test runs
 
 Each Fleet side is a fresh embedded stack (so every side starts cold) whose own worker serves
@@ -14,19 +15,24 @@ closed loops: a session's first request at its arrival, each next one `think_s` 
 answer ended (greedy, streamed, the trace's max_tokens). Per side: TTFT p50/p99, end-to-end latency
 p50/p99, output tokens/s over the replay, and the prompt tokens the engine found cached (each
 response's usage.prompt_tokens_details.cached_tokens, which Fleet fills from its engines' prefix
-caches) against those it had to compute. Ratios are to the side named by --baseline. Bounded: a
-timeout per request and per replay; every server on 127.0.0.1. Writes JSON to bench/results/.
+caches) against those it had to compute. A peer (`--peers llama.cpp`: llama-cpp-python's server with
+its RAM prompt cache, `make bench-install`) serves the same GGUF with as many threads as the largest
+Fleet side has workers (the same cores); it reports no cached tokens. Ratios are to the side named
+by --baseline. Bounded: a timeout per request and per replay; every server on 127.0.0.1. Writes JSON
+to bench/results/.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields
 from itertools import pairwise
 from pathlib import Path
@@ -47,6 +53,7 @@ ENGINE = "llamacpp"  # the default model's engine; its KV stays in its slots (ro
 # one thread per worker (the sides share this machine's cores) and room for many conversations'
 # histories in its slots (the trained context, 8k cells, would hold only a few)
 ENGINE_OPTIONS = {"n_threads": 1, "n_ctx": 16384}
+PEER_CACHE_BYTES = 2 << 30  # llama.cpp server's prompt cache: many conversations' states
 QUICK = TraceParams(sessions=4, chat_turns=(2, 3), agent_steps=(2, 3), system_tokens=120, document_tokens=300,
                     think_s=0.2, agent_think_s=0.1, rate=2.0, max_tokens=8)  # fmt: skip
 
@@ -62,6 +69,8 @@ class TurnResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    cache_reported: bool = False  # the server said how many prompt tokens it found cached
+    content_chunks: int = 0  # streamed chunks with text: the output tokens of a server without usage
     error: str = ""
     request_id: str = ""
     worker: str = ""  # Fleet sides: the worker the scheduler routed it to, and why
@@ -92,13 +101,16 @@ def read_event(data: dict, result: TurnResult, sent: float, now: float) -> None:
     """One streamed chunk into the turn's result: the first content sets TTFT, usage the counts."""
     result.request_id = result.request_id or data.get("id", "")
     for choice in data.get("choices") or ():
-        if (choice.get("delta") or {}).get("content") and not result.ttft_s:
-            result.ttft_s = now - sent
+        if (choice.get("delta") or {}).get("content"):
+            result.ttft_s = result.ttft_s or now - sent
+            result.content_chunks += 1
     usage = data.get("usage")
     if usage:
         result.prompt_tokens = usage.get("prompt_tokens", 0)
         result.completion_tokens = usage.get("completion_tokens", 0)
-        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        details = usage.get("prompt_tokens_details")
+        result.cache_reported = details is not None
+        result.cached_tokens = (details or {}).get("cached_tokens") or 0
 
 
 def summarize(results: Sequence[TurnResult], wall_s: float) -> dict:
@@ -107,6 +119,7 @@ def summarize(results: Sequence[TurnResult], wall_s: float) -> dict:
     cached = sum(r.cached_tokens for r in ok)
     ttft = [r.ttft_s for r in ok if r.ttft_s]
     e2e = [r.e2e_s for r in ok]
+    hit = cached / prompt if prompt and any(r.cache_reported for r in ok) else None  # None: not said
     by_kind = {}
     for kind in sorted({r.kind for r in ok}):
         mine = [r for r in ok if r.kind == kind]
@@ -124,11 +137,13 @@ def summarize(results: Sequence[TurnResult], wall_s: float) -> dict:
         "ttft_p99_ms": 1000 * percentile(ttft or [0.0], 99),
         "e2e_p50_ms": 1000 * percentile(e2e or [0.0], 50),
         "e2e_p99_ms": 1000 * percentile(e2e or [0.0], 99),
-        "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
+        "output_tokens_per_s": sum(r.completion_tokens or r.content_chunks for r in ok) / wall_s
+        if wall_s
+        else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
-        "cache_hit": cached / prompt if prompt else 0.0,
-        "recomputed": 1 - cached / prompt if prompt else 0.0,
+        "cache_hit": hit,
+        "recomputed": None if hit is None else 1 - hit,
         "by_kind": by_kind,
         "stayed_with_history": stayed_share(ok),
         "wall_s": wall_s,
@@ -166,9 +181,10 @@ def report_lines(sides: dict[str, dict], baseline: str) -> list[str]:
     lines = [f"{'side':<22}{header}"]
     for name, s in sides.items():
         stayed = "-" if s.get("stayed_with_history") is None else f"{s['stayed_with_history']:.0%}"
+        hit = "-" if s.get("cache_hit") is None else f"{s['cache_hit']:.0%}"
         lines.append(
             f"{name:<22}{s['ttft_p50_ms']:>8.0f}ms{s['ttft_p99_ms']:>7.0f}ms{s['e2e_p50_ms']:>8.0f}ms"
-            f"{s['e2e_p99_ms']:>7.0f}ms{s['output_tokens_per_s']:>8.1f}{s['cache_hit']:>8.0%}{stayed:>8}{s['errors']:>8}"
+            f"{s['e2e_p99_ms']:>7.0f}ms{s['output_tokens_per_s']:>8.1f}{hit:>8}{stayed:>8}{s['errors']:>8}"
         )
     for name, r in ratios(sides, baseline).items():
         shown = ", ".join(f"{k.removesuffix('_ms')} {v:.2f}x" for k, v in r.items())
@@ -246,11 +262,14 @@ async def replay(
 
 
 # -- Fleet sides -----------------------------------------------------------------------------------
-def worker_env() -> dict[str, str]:
+def worker_env(kv_cells: int = 0) -> dict[str, str]:
+    """Each worker's engine settings; `kv_cells` (when set) the KV cells its instance holds, for a
+    replay where the histories outgrow what the workers keep."""
+    options = ENGINE_OPTIONS | ({"n_ctx": kv_cells} if kv_cells else {})
     return {
         "FLEET_NODE_ENGINES": ENGINE,
         "FLEET_CALIBRATION": "off",
-        "FLEET_ENGINE_OPTIONS": json.dumps({ENGINE: ENGINE_OPTIONS}),
+        "FLEET_ENGINE_OPTIONS": json.dumps({ENGINE: options}),
     }
 
 
@@ -262,16 +281,46 @@ async def warm_up(url: str, model: str) -> None:
             response.raise_for_status()
 
 
-def fleet_side(root: Path, policy: str, workers: int, requests: Sequence[TraceRequest]) -> dict:
+def fleet_side(
+    root: Path, policy: str, workers: int, requests: Sequence[TraceRequest], kv_cells: int = 0
+) -> dict:
     from fleet_local.bootstrap import DEFAULT_MODEL, DEFAULT_SOURCE
 
     nodes = [f"w{n}" for n in range(1, workers + 1)]
     stack_env = {"FLEET_ROUTING_POLICY": policy, "FLEET_DISAGG_MIN_TOKENS": "1000000000"}
-    with workers_stack(root, nodes, worker_env(), stack_env) as cluster:
+    with workers_stack(root, nodes, worker_env(kv_cells), stack_env) as cluster:
         asyncio.run(stage(cluster.gateway, DEFAULT_MODEL, DEFAULT_SOURCE, nodes=workers + 1))
         asyncio.run(serving_everywhere(cluster, DEFAULT_MODEL, 30, ENGINE))
         asyncio.run(warm_up(cluster.gateway, DEFAULT_MODEL))
         return asyncio.run(replay(cluster.gateway, DEFAULT_MODEL, requests, cluster.manifest.nats_url))
+
+
+def llamacpp_peer_side(root: Path, threads: int, requests: Sequence[TraceRequest]) -> dict:
+    """llama.cpp's own server on the default model's GGUF, its prompt cache on (prefix reuse across
+    conversations: it restores the longest cached prefix into its one context)."""
+    from compare import llamacpp_peer_gguf
+    from peers import launch, llamacpp_server_command, wait_served
+
+    from fleet_local.processes import free_port
+
+    root.mkdir(parents=True, exist_ok=True)
+    port, model = free_port(), "smollm2-gguf"
+    command = llamacpp_server_command(llamacpp_peer_gguf(root), model, port, threads)
+    command += ["--cache", "True", "--cache_type", "ram", "--cache_size", str(PEER_CACHE_BYTES)]
+    with ExitStack() as stack:
+        server = launch(stack, "llama.cpp", command, port, root, {})
+        wait_served([server])
+        asyncio.run(warm_up(server.url, model))
+        return asyncio.run(replay(server.url, model, requests))
+
+
+def peer_missing(name: str) -> str:
+    """Why a peer cannot run here ("" when it can)."""
+    if name != "llama.cpp":
+        return f"no peer {name!r} (known: llama.cpp)"
+    if importlib.util.find_spec("starlette_context") is None:
+        return "llama.cpp's server is not installed (make bench-install)"
+    return ""
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -305,6 +354,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="", help="the model name to send (with --url)")
     parser.add_argument("--policies", default=",".join(ROUTING_POLICIES), help="routing policies to compare")
     parser.add_argument("--workers", default="2", help="Fleet worker counts, e.g. 1,2,3")
+    parser.add_argument("--kv-cells", type=int, default=0, help="KV cells per worker (default 16384)")
+    parser.add_argument("--peers", default="", help="single-server peers to replay too: llama.cpp")
     parser.add_argument("--baseline", default="", help="the side ratios are to (default: round-robin's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sessions", type=int, default=16)
@@ -347,13 +398,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             for policy in policies:
                 name = f"fleet-{policy}-{workers}w"
                 print(f"\n{name}: {workers} llama.cpp workers, FLEET_ROUTING_POLICY={policy}", flush=True)
-                sides[name] = fleet_side(root / name, policy, workers, requests)
+                sides[name] = fleet_side(root / name, policy, workers, requests, args.kv_cells)
                 print("\n".join(report_lines({name: sides[name]}, "")), flush=True)
+        for peer in [p for p in args.peers.split(",") if p]:
+            if why := peer_missing(peer):
+                print(f"\n{peer}: skipped ({why})", flush=True)
+                continue
+            print(f"\n{peer}: its server, {max(counts)} threads", flush=True)
+            sides[peer] = llamacpp_peer_side(root / peer, max(counts), requests)
+            print("\n".join(report_lines({peer: sides[peer]}, "")), flush=True)
         discard(root)
     baseline = args.baseline or next((n for n in sides if "round-robin" in n), next(iter(sides)))
     print("\n" + "\n".join(report_lines(sides, baseline)))
     summary = {name: {k: v for k, v in side.items() if k != "turns"} for name, side in sides.items()}
     result = {"trace_params": params, "trace": describe(list(requests)), "baseline": baseline,
+              "kv_cells_per_worker": args.kv_cells or ENGINE_OPTIONS["n_ctx"],
               "sides": summary, "ratios": ratios(summary, baseline),
               "turns": {name: side["turns"] for name, side in sides.items()}}  # fmt: skip
     write_result(args.out, "replay-quick" if args.quick else "replay", result)

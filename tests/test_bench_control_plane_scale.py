@@ -197,7 +197,7 @@ def test_worker_metrics_report_every_instance_and_feed_the_schedulers_load() -> 
         tracker.on_metrics(msgspec.json.decode(encode(m), type=NodeMetrics))
     load = tracker.load()
     assert load.keys() == state.instances.keys()
-    by_instance = {i: m.running_tokens[i] + m.queued_tokens[i] for m in metrics for i in m.running_tokens}
+    by_instance = {i: m.queued_tokens[i] + m.active_requests[i] for m in metrics for i in m.running_tokens}
     assert load == by_instance
 
 
@@ -226,6 +226,7 @@ def figures(decision_ms: float, route_ms: float, workers: int = 1000, blocks: in
         "decision": {"4": decision(decision_ms / 2, route_ms), "64": decision(decision_ms, route_ms)},
         "index": {
             "holders": {"4": us(0.2), "16": us(0.5), "64": us(1.2)},
+            "prefix_blocks": {"4": us(0.1), "16": us(0.15), "64": us(0.3)},
             "holders_16_small_index": us(0.5),
             "small_index_blocks": 20_000,
             "used_memory_bytes_per_block": 150.0,

@@ -29,11 +29,16 @@ def test_the_first_content_sets_ttft_and_the_usage_chunk_the_counts():
     # a server that reports no prompt details (llama.cpp's, vLLM's without the flag): nothing cached
     bare = TurnResult("chat-0000", 1, "chat", 0.0)
     read_event({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}, bare, 0.0, 1.0)
-    assert bare.cached_tokens == 0 and bare.prompt_tokens == 9
+    assert bare.cached_tokens == 0 and bare.prompt_tokens == 9 and not bare.cache_reported
+    assert summarize([bare], wall_s=1.0)["cache_hit"] is None  # unknown, not 0%
+    silent = TurnResult("chat-0000", 2, "chat", 0.0)  # llama.cpp's server streams no usage
+    for _ in range(3):
+        read_event({"choices": [{"delta": {"content": "a"}}]}, silent, 0.0, 1.0)
+    assert silent.content_chunks == 3 and summarize([silent], wall_s=1.0)["output_tokens_per_s"] == 3
 
 
 def turn(kind: str, ttft: float, prompt: int, cached: int, error: str = "") -> TurnResult:
-    return TurnResult("s", 0, kind, 0.0, ttft, ttft + 1, prompt, cached, 10, error)
+    return TurnResult("s", 0, kind, 0.0, ttft, ttft + 1, prompt, cached, 10, cache_reported=True, error=error)
 
 
 def test_a_side_summary_counts_what_was_answered_and_the_cache_share():

@@ -84,6 +84,30 @@ def test_control_plane_measures_routing_nats_and_the_gateway_on_the_echo_engine(
     assert report.other_lines({"control_plane": result})[0].startswith("- **Control plane**")
 
 
+def test_control_plane_overhead_splits_each_requests_wait_and_counts_cpu_on_one_and_two_gateways(
+    tmp_path: Path,
+) -> None:
+    """--overhead --quick: two low open-loop rates on one gateway, then over two; every request
+    answered, nearly all traced whole, the wait split, each gateway's CPU counted (~30 s)."""
+    result = bench("control-plane", tmp_path, "--overhead", "--quick")["overhead"]
+    one, two = result["one_gateway"], result["two_gateways"]
+    assert one and two and all(s["gateways"] == 1 for s in one) and all(s["gateways"] == 2 for s in two)
+    for s in (*one, *two):
+        assert s["errors"] == 0, s["error_examples"]
+        assert s["traced"] >= 0.9 * s["requests"]
+        assert 0 < s["overhead_ms_p50"] < s["client_ms_p50"]
+        assert all(positive(s[f"{part}_ms_p50"]) for part in ("gateway", "bus", "client_http", "worker"))
+        assert positive(s["gateway_cpu_ms_per_request"]) and positive(s["cores_busy"])
+    assert positive(sum(s["cpu_ms_per_request"]["gateway-2"] for s in two))  # the replica took its share
+    implied = result["implied"]
+    assert implied["gateway_replicas_for_1000_rps"] >= 1 and positive(
+        implied["routes_per_s_per_scheduler_core"]
+    )
+    assert [r["offered_rps"] for r in result["two_over_one"]] == [s["offered_rps"] for s in two]
+    assert set(result["state_scans"]) == {"16", "100"}
+    assert len(result["verdict"]) >= 5 and "NaN" not in json.dumps(result["implied"])
+
+
 def test_grammar_mask_walks_a_document_with_both_libraries(tmp_path: Path) -> None:
     from tests.support import make_chat_model
 

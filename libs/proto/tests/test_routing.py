@@ -307,11 +307,14 @@ def test_what_the_router_sent_counts_only_for_an_engine_whose_kv_is_not_indexed(
 
 
 def test_a_routed_request_weighs_on_its_instance_with_the_tokens_new_to_it():
-    state = state_of(*ready("a", engine="llamacpp"), *ready("b"), *ready("p", role="prefill", engine="vllm"))
-    to_a = RouteReply(instance_id="a", worker_id="n-a")
-    assert routed_work(to_a, state, CHAT, {}, {"a": 768}) == {"a": 232}
-    to_b = msgspec.structs.replace(to_a, instance_id="b", worker_id="n-b")
-    assert routed_work(to_b, state, CHAT, {"n-b": 256}, {}, tier2_tokens=512) == {"b": 488}
-    split = msgspec.structs.replace(to_b, prefill_instance_id="p", prefill_worker_id="n-p")
-    assert routed_work(split, state, CHAT, {}, {}) == {"b": 1000, "p": 1000}
-    assert routed_work(msgspec.structs.replace(to_a, instance_id="gone"), state, CHAT, {}, {}) == {}
+    llama = state_of(*ready("a", engine="llamacpp"), *ready("c", engine="llamacpp"))
+    to_a = route(llama, CHAT, {"a": 0, "c": 0}, remembered={"a": 768})
+    assert (to_a.instance_id, to_a.cached_tokens) == ("a", 768)  # what the reply expects there
+    assert routed_work(to_a, CHAT) == {"a": 232}
+    state = state_of(*ready("b"), *ready("p", role="prefill", engine="vllm"))
+    to_b = route(state, CHAT, {"b": 0}, {"n-b": 256}, tier2_tokens=512)
+    assert (to_b.instance_id, to_b.cached_tokens) == ("b", 512)  # object storage holds more
+    assert routed_work(to_b, CHAT) == {"b": 488}
+    split = msgspec.structs.replace(to_b, prefill_instance_id="p", prefill_worker_id="n-p", cached_tokens=0)
+    assert routed_work(split, CHAT) == {"b": 1000, "p": 1000}
+    assert routed_work(RouteReply(error="no ready instance"), CHAT) == {}

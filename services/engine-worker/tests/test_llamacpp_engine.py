@@ -224,6 +224,34 @@ def test_a_prompt_asked_again_reuses_its_slot_prefix(engine, direct) -> None:
     assert again["two"] == first["one"]
 
 
+def test_a_prefix_another_slot_holds_is_shared_and_decodes_like_a_cold_run(model_dir: Path, direct) -> None:
+    """Two conversations with one long system prompt: the second, arriving while the first decodes
+    in its slot, takes the other slot and gets the shared prefix's cells from the first's."""
+    engine = LlamaCppEngine(
+        model_dir,
+        n_ctx=2048,
+        n_batch=64,
+        max_batch_size=2,
+        weight_type=DECODE_TYPE,
+        prefill_weight_type="none",
+    )
+    first = tokens_of(direct, LONG + QUESTION)
+    second = tokens_of(direct, LONG + QUESTION.replace("France", "Laos"))
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    try:
+        engine.add(greedy("first", first, max_tokens=24))
+        tokens: dict[str, list[int]] = {}
+        while not tokens.get("first"):
+            for output in engine.step():
+                tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        rest, final = run(engine, [greedy("second", second, max_tokens=8)])
+    finally:
+        engine.close()
+    assert final["second"].prefix_cached_tokens == shared
+    assert rest["second"] == direct.greedy(second, 8, apart=False)
+    assert tokens["first"] + rest["first"] == direct.greedy(first, 24, apart=False)
+
+
 def test_seeded_sampling_repeats_and_logprobs_come_back(engine, direct) -> None:
     prompt = tokens_of(direct, QUESTION)
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7, logprobs=3)

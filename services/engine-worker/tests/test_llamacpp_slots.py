@@ -55,6 +55,47 @@ def test_a_prompt_sharing_only_a_template_head_takes_an_empty_slot_not_another_h
     assert (slot.seq_id, keep) == (2, 5)
 
 
+def test_a_longer_prefix_in_another_slot_busy_or_not_is_lent() -> None:
+    """A new conversation takes an empty slot; the system prompt it shares with a history in
+    another slot (or with a turn running there) is copied in, not computed again."""
+    slots = held(Slots(3, 100), [1, 2, 3, 4, 5, 6], [], [1, 2, 9, 9, 9])
+    slots.take(slots.all[0], 6, reserved=10)
+    prompt = (1, 2, 3, 4, 7, 8)
+    taken, kept = slots.choose(prompt)
+    assert (taken.seq_id, kept) == (1, 0)
+    donor, shared = slots.donor(prompt, taken, kept, slots.all)
+    assert (donor.seq_id, shared) == (0, 4)
+    assert slots.donor(prompt, taken, 4, slots.all) is None  # nothing longer than it keeps
+    assert slots.donor(prompt, taken, kept, slots.all[1:]) == (slots.all[2], 2)  # only lenders lend
+    assert slots.donor((1, 2, 3, 4), taken, 0, slots.all)[1] == 3  # never the last prompt token
+
+
+def test_a_new_conversation_sharing_a_system_prompt_keeps_off_another_history() -> None:
+    """The replay bench's case: a slot holds conversation A (system prompt 1,2,3 + its first turn,
+    prompt of 6 tokens, 2 generated); conversation B with the same system prompt takes an empty slot
+    (borrowing 1,2,3), and A's next turn finds its history where it left it."""
+    slots = Slots(2, 100)
+    a = slots.all[0]
+    slots.take(a, 0, reserved=10, prompt_tokens=6)
+    a.tokens[:] = [1, 2, 3, 4, 5, 6, 50, 51]
+    slots.release(a, step=1)
+    taken, kept = slots.choose((1, 2, 3, 7, 8))
+    assert (taken.seq_id, kept) == (1, 0)
+    assert slots.donor((1, 2, 3, 7, 8), taken, kept, slots.all) == (a, 3)
+
+
+def test_a_conversations_next_turn_continues_in_its_own_slot_despite_a_resent_answer() -> None:
+    """The client resends the answer in its own words (tokens 60, 61 for the generated 50, 51): those
+    go, but the slot is still this conversation's, ahead of an empty one."""
+    slots = Slots(2, 100)
+    a = slots.all[0]
+    slots.take(a, 0, reserved=10, prompt_tokens=6)
+    a.tokens[:] = [1, 2, 3, 4, 5, 6, 50, 51]
+    slots.release(a, step=1)
+    taken, kept = slots.choose((1, 2, 3, 4, 5, 6, 60, 61, 9, 9))
+    assert (taken.seq_id, kept) == (0, 6)
+
+
 def test_no_free_slot_means_no_choice() -> None:
     slots = Slots(2, 100)
     for slot in slots.all:

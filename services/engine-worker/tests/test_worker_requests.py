@@ -59,6 +59,13 @@ async def test_chunks_are_numbered_in_order_and_the_end_releases_what_the_reques
     worker.engine.emit(output("r1", 5, done=1), output("r1", 6, done=2))
     await settle()
     assert worker.running.running_tokens() == 9 + 2 and worker.running.queued_tokens() == 0
+    # a turn routed to its history: waiting, it weighs what routing expected it to compute
+    await worker.server.on_task(task("r2", prompt=100, expected_cached_tokens=96))
+    assert worker.running.queued_tokens() == 4
+    worker.engine.emit(output("r2", 5, done=1))
+    await settle()
+    assert worker.running.queued_tokens() == 0 and worker.running.running_tokens() == 9 + 2 + 100 + 1
+    worker.engine.emit(output("r2", 6, done=2, finish="length"))
     worker.engine.emit(output("r1", 7, done=3, finish="length"), output("r1", 8, done=4))
     await settle()
     chunks = worker.chunks.of("r1")

@@ -4,7 +4,9 @@ and deadline; the queue's pure rules, then the queue itself over a replayed Stat
 from __future__ import annotations
 
 import asyncio
+import random
 
+import msgspec
 import pytest
 
 from fleet_gateway.admission import (
@@ -17,8 +19,10 @@ from fleet_gateway.admission import (
     next_waiter,
 )
 from fleet_gateway.errors import ApiError
-from fleet_proto import Instance, InstancePlaced, InstanceReady, NodeMetrics
-from fleet_proto.testing import state_of
+from fleet_proto import Instance, InstancePlaced, InstanceReady, InstanceStatus, NodeMetrics, State
+from fleet_proto.routing import ready_instances
+from fleet_proto.routing_view import KeptView
+from fleet_proto.testing import bare_node, state_of
 
 pytestmark = pytest.mark.unit
 
@@ -57,6 +61,55 @@ def test_the_load_is_the_report_corrected_by_what_this_gateway_sent_and_saw_fini
     assert load.running() == {"i": 2}  # never less than this gateway has in flight
 
 
+def test_the_rooms_kept_as_the_load_and_state_change_answer_as_the_scans_of_both():
+    """Each model's free slots and full instances, kept per State and updated per load change, equal
+    free_slots and full_instances over ready_instances, scanned afresh after every change."""
+    rng = random.Random(11)
+    ids = [f"i{k}" for k in range(14)]
+
+    def random_state(seq: int) -> State:
+        instances = {
+            i: Instance(
+                instance_id=i,
+                model_id=rng.choice(("m0", "m1")),
+                node_id=f"n{rng.randrange(4)}",  # n3 is not in the cluster
+                engine="mlx",
+                status=rng.choice((InstanceStatus.READY, InstanceStatus.READY, InstanceStatus.LOADING)),
+                role=rng.choice(("both", "decode", "prefill")),
+            )
+            for i in ids
+            if rng.random() < 0.8
+        }
+        return State(last_seq=seq, nodes={n: bare_node(n) for n in ("n0", "n1", "n2")}, instances=instances)
+
+    states = [random_state(0)]
+    gate = Admission(KeptView(lambda: states[-1]))
+    load = gate.load
+    checked = 0
+    for step in range(3000):
+        match rng.randrange(10):
+            case 0:  # a new State: changed, or the same facts in a new object (what apply() returns)
+                fresh = random_state(step) if rng.random() < 0.5 else msgspec.structs.replace(states[-1])
+                states.append(fresh)
+            case 1 | 2:
+                chosen = rng.sample(ids, 3)
+                load.on_sample(
+                    sample({i: rng.randrange(5) for i in chosen}, {i: rng.randrange(4) for i in chosen})
+                )
+            case 3 | 4 | 5:
+                load.sent(rng.choice(ids))
+            case _:
+                load.finished(rng.choice(ids))
+        for model_id in rng.sample(("m0", "m1", "absent"), 2):
+            candidates = [i.instance_id for i in ready_instances(states[-1], model_id)]
+            running = load.running()
+            assert gate.full(model_id) == tuple(sorted(full_instances(candidates, load.slots, running)))
+            free = free_slots(candidates, load.slots, running) if candidates else 1
+            assert gate.room(model_id) == free, step
+            checked += bool(gate.full(model_id))
+    assert checked > 300  # full instances were common: the comparison covers them
+
+
 def sample(active: dict[str, int], slots: dict[str, int]) -> NodeMetrics:
     return NodeMetrics(
         node_id="n",
@@ -80,7 +133,7 @@ DEFAULTS = AdmissionLimits()
 
 def admission(limits: AdmissionLimits = DEFAULTS, priorities: dict[str, int] | None = None):
     state = one_instance_state()
-    gate = Admission(lambda: state, limits, lambda caller: (priorities or {}).get(caller, 0))
+    gate = Admission(KeptView(lambda: state), limits, lambda caller: (priorities or {}).get(caller, 0))
     gate.load.on_sample(sample({"i": 0}, {"i": 2}))
     return gate
 

@@ -284,7 +284,16 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 BENCH_DIR = Path(__file__).resolve().parents[4] / "bench"  # the repository's, for an editable install
 # Modules there that the benchmarks import.
-BENCH_HELPERS = {"cluster", "control_plane_scale", "loadgen", "peers", "plots", "report", "workload"}
+BENCH_HELPERS = {
+    "cluster",
+    "control_plane_overhead",
+    "control_plane_scale",
+    "loadgen",
+    "peers",
+    "plots",
+    "report",
+    "workload",
+}
 
 
 def bench_script(name: str, bench_dir: Path = BENCH_DIR) -> Path:

@@ -97,6 +97,9 @@ class GenerateTask(Frozen, tag_field="kind", tag=GENERATE_TASK):
     # penalties see them as completion; a grammar has accepted them; a seeded draw sequence is past
     # them. Outputs count the whole request: prompt_tokens the prompt's, completion_tokens these too.
     generated_token_ids: tuple[int, ...] = ()
+    # The route's expected prefix hit (RouteReply.cached_tokens): the worker reports the prompt less
+    # these as work waiting (NodeMetrics.queued_tokens), as the scheduler's load term counted it.
+    expected_cached_tokens: int = 0
 
 
 class EmbedTask(Frozen, tag_field="kind", tag=EMBED_TASK):
@@ -270,7 +273,8 @@ class NodeMetrics(Frozen):
     active_requests: dict[str, int] = {}
     # instance_id -> requests its engine runs at once (more wait in its queue): admission's capacity
     request_slots: dict[str, int] = {}
-    # instance_id -> tokens in its running requests (prompt + generated) and in its queue
+    # instance_id -> the KV context of its requests decoding (prompt + generated), and the prompt
+    # tokens still to prefill (queued, or prefilling before their first token; the routing load)
     running_tokens: dict[str, int] = {}
     queued_tokens: dict[str, int] = {}
     gpus: tuple[GpuSample, ...] = ()
@@ -319,6 +323,9 @@ class RouteReply(Frozen):
     # Prefill on this other instance of the same base model, when disaggregation pays off.
     prefill_instance_id: str = ""
     prefill_worker_id: str = ""
+    # The prompt's leading tokens the chosen instance is expected to hold (in memory, or fetched from
+    # object storage): its load counts only the rest, and so does its worker (GenerateTask's).
+    cached_tokens: int = 0
 
 
 class RouteDecided(Frozen):

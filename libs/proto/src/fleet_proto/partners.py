@@ -25,7 +25,10 @@ rule decides: more than `disagg_min_tokens` uncached tokens.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
+from itertools import islice
+from typing import Protocol
 
 import msgspec
 
@@ -41,6 +44,9 @@ DEFAULT_DISAGG_MIN_TOKENS = 1000
 # handoff's set-up and the decoder's first step on imported KV (~40-60 ms on loopback, bench disagg).
 HANDOFF_OVERHEAD_S = 0.05
 DEFAULT_LINK_BYTES_PER_S = 1.25e9  # 10 Gb/s Ethernet, until the link is measured
+# GET /state lists this many partners per decoder (lowest ids): every decoder of a model shares its
+# partners, so listing them all grows with the square of the cluster (21 MB at 1,000 workers)
+PARTNERS_LISTED = 16
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 _BITS = re.compile(r"(\d+)")
 
@@ -50,6 +56,15 @@ class PrefillPlan(msgspec.Struct, frozen=True):
 
     partner: Instance | None
     why: str
+
+
+class PartnerLookup(Protocol):
+    """What plan_prefill reads of a State: a decoder's partners and an instance's prefill speed
+    (fleet_proto.routing_view.RoutingView answers from an index; StateScan by scanning)."""
+
+    def partners(self, decoder: Instance, avoid_nodes: tuple[str, ...] = ()) -> Sequence[Instance]: ...
+
+    def prefill_speed(self, instance: Instance) -> float: ...
 
 
 def base_model(state: State, model_id: str) -> str:
@@ -67,7 +82,13 @@ def weight_bits(card: ModelCard) -> int:
 
 def may_prefill_for(state: State, decoder: Instance, candidate: Instance) -> bool:
     """Whether `candidate` can prefill prompts for `decoder` (see the module's rules)."""
-    if candidate.instance_id == decoder.instance_id or candidate.status != InstanceStatus.READY:
+    return candidate.instance_id != decoder.instance_id and prefills_for_model(state, decoder, candidate)
+
+
+def prefills_for_model(state: State, decoder: Instance, candidate: Instance) -> bool:
+    """may_prefill_for but for the decoder's identity: what holds for every decoder of its model and
+    engine alike (an index keeps one list of these per model and engine)."""
+    if candidate.status != InstanceStatus.READY:
         return False
     if candidate.role not in PREFILL_ROLES or not engine_facts(candidate.engine).kv_export:
         return False
@@ -106,6 +127,44 @@ def transfer_bytes(state: State, decoder: Instance, tokens: int) -> int:
     return tokens * card.kv_bytes_per_token(max(DTYPE_BITS.get(card.dtype, 16) // 8, 1))
 
 
+class StateScan:
+    """PartnerLookup by scanning the State: O(instances) per decoder, for one-off questions."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def partners(self, decoder: Instance, avoid_nodes: tuple[str, ...] = ()) -> list[Instance]:
+        return partners(self.state, decoder, avoid_nodes)
+
+    def prefill_speed(self, instance: Instance) -> float:
+        return prefill_speed(self.state, instance)
+
+
+class Handoff(msgspec.Struct, frozen=True):
+    """What a handoff of `uncached` tokens to a decoder costs whoever prefills them (remote_seconds)."""
+
+    uncached: int
+    transfer_s: float  # the KV's bytes over the link
+    layers: int
+    taking_s: float  # into the decoder's cache
+
+    @classmethod
+    def to(cls, state: State, decoder: Instance, uncached: int, link_bytes_per_s: float) -> Handoff:
+        transfer = transfer_bytes(state, decoder, uncached) / link_bytes_per_s
+        card = state.models.get(decoder.model_id)
+        layers = max(card.num_layers if card is not None else 1, 1)
+        taking = uncached * engine_facts(decoder.engine).kv_import_s_per_token
+        return cls(uncached, transfer, layers, taking)
+
+    def seconds(self, speed: float, queued_tokens: int) -> float:
+        """remote_seconds for a partner prefilling at `speed` behind `queued_tokens` (0: unmeasured)."""
+        if speed <= 0:
+            return 0.0
+        transfer, layers, taking = self.transfer_s, self.layers, self.taking_s
+        queued = queued_tokens / speed
+        return HANDOFF_OVERHEAD_S + queued + max(self.uncached / speed, transfer) + transfer / layers + taking
+
+
 def remote_seconds(
     state: State,
     decoder: Instance,
@@ -118,26 +177,28 @@ def remote_seconds(
     speed = prefill_speed(state, partner)
     if speed <= 0:
         return 0.0
-    transfer = transfer_bytes(state, decoder, uncached) / link_bytes_per_s
-    card = state.models.get(decoder.model_id)
-    layers = max(card.num_layers if card is not None else 1, 1)
-    queued = load.get(partner.instance_id, 0) / speed
-    taking = uncached * engine_facts(decoder.engine).kv_import_s_per_token  # into the decoder's cache
-    return HANDOFF_OVERHEAD_S + queued + max(uncached / speed, transfer) + transfer / layers + taking
+    handoff = Handoff.to(state, decoder, uncached, link_bytes_per_s)
+    return handoff.seconds(speed, load.get(partner.instance_id, 0))
 
 
 def best_partner(
     state: State,
     decoder: Instance,
-    found: list[Instance],
+    found: Sequence[Instance],
     load: Mapping[str, int],
-    remote: Mapping[str, float],
+    remote: Callable[[Instance], float],
 ) -> Instance:
     """Role "prefill" first; among those, the least `remote` seconds when all are measured, else an
-    engine whose facts prefer it for prefill, the decoder's own model, the least loaded; lowest id."""
+    engine whose facts prefer it for prefill, the decoder's own model, the least loaded; lowest id.
+    (`remote`: a partner's remote_seconds, asked until one is unmeasured.)"""
     pool = [i for i in found if i.role == "prefill"] or found
-    if all(remote[i.instance_id] > 0 for i in pool):
-        return min(pool, key=lambda i: (remote[i.instance_id], i.instance_id))
+    timed = []
+    for partner in pool:
+        if (seconds := remote(partner)) <= 0:
+            break
+        timed.append((seconds, partner.instance_id, partner))
+    else:
+        return min(timed)[2]  # instance ids differ: the tuples never compare instances
     return min(
         pool,
         key=lambda i: (
@@ -158,40 +219,59 @@ def plan_prefill(
     avoid_nodes: tuple[str, ...] = (),
     disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+    lookup: PartnerLookup | None = None,
 ) -> PrefillPlan:
-    """Where `decoder`'s prompt is prefilled: on a partner, or (partner None) where it decodes."""
+    """Where `decoder`'s prompt is prefilled: on a partner, or (partner None) where it decodes.
+    lookup: the State's partners and speeds (a RoutingView's index; a StateScan when None)."""
     if disaggregate == "never":
         return PrefillPlan(None, "remote prefill forbidden by the request")
-    found = partners(state, decoder, avoid_nodes)
+    lookup = StateScan(state) if lookup is None else lookup
+    found = lookup.partners(decoder, avoid_nodes)
     if not found:
         return PrefillPlan(None, "no instance can prefill for it")
-    remote = {
-        i.instance_id: remote_seconds(state, decoder, i, uncached, load, link_bytes_per_s) for i in found
-    }
-    best = best_partner(state, decoder, found, load, remote)
+
+    @cache
+    def handoff() -> Handoff:  # made only for a measured partner, as remote_seconds does
+        return Handoff.to(state, decoder, uncached, link_bytes_per_s)
+
+    def remote(partner: Instance) -> float:
+        speed = lookup.prefill_speed(partner)
+        return handoff().seconds(speed, load.get(partner.instance_id, 0)) if speed > 0 else 0.0
+
+    @cache
+    def best_with_seconds() -> tuple[Instance, float]:  # O(partners): only where the plan needs it
+        best = best_partner(state, decoder, found, load, remote)
+        return best, remote(best)
+
     if disaggregate == "always":
-        return PrefillPlan(best, "asked for")
+        return PrefillPlan(best_with_seconds()[0], "asked for")
     if uncached <= 0:
         return PrefillPlan(None, "the whole prompt is cached")
-    local_speed = prefill_speed(state, decoder)
-    if best.role != "prefill" and local_speed > 0 and remote[best.instance_id] > 0:
-        there, here = remote[best.instance_id], uncached / local_speed
-        compared = f"{there:.2f} s there vs {here:.2f} s here for {uncached} uncached tokens"
-        if there < here:
-            return PrefillPlan(best, f"measured {compared}")
-        return PrefillPlan(None, f"prefilled here: {best.engine} {best.instance_id} measured {compared}")
+    local_speed = lookup.prefill_speed(decoder)
+    if local_speed > 0:
+        best, there = best_with_seconds()
+        if best.role != "prefill" and there > 0:
+            here = uncached / local_speed
+            compared = f"{there:.2f} s there vs {here:.2f} s here for {uncached} uncached tokens"
+            if there < here:
+                return PrefillPlan(best, f"measured {compared}")
+            return PrefillPlan(None, f"prefilled here: {best.engine} {best.instance_id} measured {compared}")
     if uncached <= disagg_min_tokens:
         return PrefillPlan(None, f"{uncached} uncached tokens <= {disagg_min_tokens}")
-    return PrefillPlan(best, f"{uncached} uncached tokens > {disagg_min_tokens}")
+    return PrefillPlan(best_with_seconds()[0], f"{uncached} uncached tokens > {disagg_min_tokens}")
 
 
-def partner_table(state: State) -> dict[str, list[dict[str, str]]]:
-    """For GET /state and the dashboard: each ready decoder's possible prefill partners."""
+def partner_table(
+    state: State, lookup: PartnerLookup | None = None, limit: int = PARTNERS_LISTED
+) -> dict[str, list[dict[str, str]]]:
+    """For GET /state and the dashboard: each ready decoder's possible prefill partners, the first
+    `limit` by instance id (routing weighs them all). lookup: as plan_prefill's."""
+    lookup = StateScan(state) if lookup is None else lookup
     table: dict[str, list[dict[str, str]]] = {}
     for decoder in sorted(state.instances.values(), key=lambda i: i.instance_id):
         if decoder.status != InstanceStatus.READY or decoder.role not in DECODE_ROLES:
             continue
-        found = partners(state, decoder)
+        found = list(islice(lookup.partners(decoder), limit))
         if found:
             table[decoder.instance_id] = [
                 {

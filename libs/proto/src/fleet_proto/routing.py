@@ -11,8 +11,9 @@ cost wins, in tokens (Dynamo's router formula, prefill weight 1):
 
     cost = load + (prompt tokens - prompt tokens whose KV the instance's node holds in memory)
 
-load = tokens running + queued on the instance, as its worker last reported plus the prompt tokens
-new to it routed there since (routed_work); the cached part comes from the KV block index (leading
+load = prompt tokens still to prefill on the instance plus one per request in flight, as its worker
+last reported (not the context of requests decoding), plus the prompt tokens new to it routed there
+since (routed_work); the cached part comes from the KV block index (leading
 blocks per node), or for an engine that indexes nothing (llama.cpp) from what this router sent it
 (`remembered`). Ties go to the lowest instance id, so the choice is deterministic. The reason
 records the expected hit, and how much of the prompt object storage (tier 2) holds: any worker can
@@ -35,11 +36,10 @@ instance's node, is its one handoff endpoint and moves every rank's layers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from functools import partial
+from collections.abc import Mapping, Sequence
 
-from fleet_proto.common import EngineCalibration, Instance, InstanceStatus
-from fleet_proto.engines import EngineFacts, engine_facts
+from fleet_proto.common import Instance
+from fleet_proto.engines import engine_facts
 from fleet_proto.messages import EMBED_TASK, RouteReply, RouteRequest
 from fleet_proto.partners import (
     DECODE_ROLES,
@@ -48,33 +48,23 @@ from fleet_proto.partners import (
     base_model,
     plan_prefill,
 )
-from fleet_proto.speed import calibration
+from fleet_proto.routing_view import RoutingView, embeds, fastest_decoders, serving, view_of
 from fleet_proto.state import State
 
 __all__ = [
     "DEFAULT_DISAGG_MIN_TOKENS",
     "EMBED_TASK",
     "ROUTING_POLICIES",
+    "RoutingView",
     "base_model",
     "ready_instances",
     "route",
+    "view_of",
 ]
 
 KV_AWARE, LEAST_LOADED, ROUND_ROBIN = "kv", "least-loaded", "round-robin"
 ROUTING_POLICIES = (KV_AWARE, LEAST_LOADED, ROUND_ROBIN)
 POLICY_CHOICE = {KV_AWARE: "least cost", LEAST_LOADED: "least loaded", ROUND_ROBIN: "round-robin"}
-
-
-def embeds(state: State, model_id: str) -> bool:
-    """An embedding model: its instances serve embeddings only (ModelCard.embedding)."""
-    card = state.models.get(model_id)
-    return card is not None and card.embedding is not None
-
-
-def serving(state: State, instance: Instance) -> bool:
-    """Ready, and every node it runs on is in the cluster (a worker that is stopping leaves first)."""
-    nodes = {instance.node_id, *(s.node_id for s in instance.shards)}
-    return instance.status == InstanceStatus.READY and all(n in state.nodes for n in nodes)
 
 
 def avoided(instance: Instance, request: RouteRequest) -> bool:
@@ -83,7 +73,8 @@ def avoided(instance: Instance, request: RouteRequest) -> bool:
 
 def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE_ROLES) -> list[Instance]:
     """Ready instances of the model, or failing that of another model with the same base model and
-    the same kind (an embedding model's instances never generate, nor a chat model's embed)."""
+    the same kind (an embedding model's instances never generate, nor a chat model's embed). A scan
+    of every instance: route() reads the same from its RoutingView's index."""
     ready = [i for i in state.instances.values() if serving(state, i) and i.role in roles]
     exact = [i for i in ready if i.model_id == model_id]
     if exact:
@@ -92,12 +83,12 @@ def ready_instances(state: State, model_id: str, roles: tuple[str, ...] = DECODE
     return [i for i in ready if base_model(state, i.model_id) == base and embeds(state, i.model_id) == kind]
 
 
-def route_embedding(state: State, request: RouteRequest, load: Mapping[str, int]) -> RouteReply:
+def route_embedding(view: RoutingView, request: RouteRequest, load: Mapping[str, int]) -> RouteReply:
     """An embedding request goes to the least loaded ready instance of the embedding model (no
     prefix cache, no split: its inputs are short and embedded whole)."""
-    if not embeds(state, request.model_id):
+    if not embeds(view.state, request.model_id):
         return RouteReply(error=f"{request.model_id} is no embedding model")
-    ready = [i for i in ready_instances(state, request.model_id) if not avoided(i, request)]
+    ready = [i for i in view.ready(request.model_id) if not avoided(i, request)]
     if not ready:
         return RouteReply(error=f"no ready instance of {request.model_id}")
     chosen = min(ready, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
@@ -111,23 +102,6 @@ def avoiding(request: RouteRequest) -> str:
     return f" off {' and '.join(s for s in said if s)}" if any(said) else ""
 
 
-def instance_calibration(state: State, instance: Instance) -> EngineCalibration | None:
-    node = state.nodes.get(instance.node_id)
-    return calibration(node, instance.engine, instance.model_id) if node is not None else None
-
-
-def fastest_engines(
-    state: State, instances: list[Instance], speed: str, prior: Callable[[EngineFacts], bool]
-) -> tuple[str, ...]:
-    """The engines of `instances` with the highest measured `speed` ("prefill_tokens_per_s" or
-    "decode_tokens_per_s") on their nodes; those whose facts have `prior` while any is unmeasured."""
-    measured = [instance_calibration(state, i) for i in instances]
-    if not instances or any(m is None for m in measured):
-        return tuple(dict.fromkeys(i.engine for i in instances if prior(engine_facts(i.engine))))
-    top = max(getattr(m, speed) for m in measured)
-    return tuple(i.engine for i, m in zip(instances, measured, strict=True) if getattr(m, speed) == top)
-
-
 def cached_tokens(instance: Instance, cached: Mapping[str, int], remembered: Mapping[str, int]) -> int:
     """The request's leading prompt tokens the instance's engine holds: its node's, by the KV index;
     for an engine whose KV stays its own (nothing indexed), what this router sent it recently."""
@@ -137,24 +111,17 @@ def cached_tokens(instance: Instance, cached: Mapping[str, int], remembered: Map
     return held
 
 
-def routed_work(
-    reply: RouteReply,
-    state: State,
-    request: RouteRequest,
-    cached: Mapping[str, int],
-    remembered: Mapping[str, int],
-    tier2_tokens: int = 0,
-) -> dict[str, int]:
+def routed_work(reply: RouteReply, request: RouteRequest) -> dict[str, int]:
     """What a routed request adds to each chosen instance's load until its worker reports again: the
-    prompt tokens new to it (neither held there nor in object storage), which the decoder computes
-    or a prefill partner computes for it. Not the whole prompt: a conversation's next turn, sent
-    back to the instance holding its history, would otherwise weigh there as if recomputed, and the
-    load term would push the turn after it away from that history."""
-    decoder = state.instances.get(reply.instance_id)
-    if decoder is None:
+    prompt tokens new to it (the prompt less the hit the reply expects there: held in memory or in
+    object storage), which the decoder computes or a prefill partner computes for it. Not the whole
+    prompt: a conversation's next turn, sent back to the instance holding its history, would
+    otherwise weigh there as if recomputed, and the load term would push the turn after it away from
+    that history. Its worker reports the same (GenerateTask.expected_cached_tokens)."""
+    if not reply.instance_id:
         return {}
-    new = max(request.prompt_tokens - max(cached_tokens(decoder, cached, remembered), tier2_tokens), 0)
-    work = {decoder.instance_id: new}
+    new = max(request.prompt_tokens - reply.cached_tokens, 0)
+    work = {reply.instance_id: new}
     if reply.prefill_instance_id:
         work[reply.prefill_instance_id] = new
     return work
@@ -165,10 +132,11 @@ def route_cost(instance: Instance, prompt_tokens: int, load: Mapping[str, int], 
 
 
 def choose(
-    preferred: list[Instance],
+    preferred: Sequence[Instance],
     request: RouteRequest,
     load: Mapping[str, int],
-    held: Callable[[Instance], int],
+    cached: Mapping[str, int],
+    remembered: Mapping[str, int],
     policy: str,
     turn: int,
 ) -> Instance:
@@ -178,9 +146,25 @@ def choose(
     if policy == ROUND_ROBIN:
         ordered = sorted(preferred, key=lambda i: i.instance_id)
         return ordered[turn % len(ordered)]
+    least_loaded = min(preferred, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
     if policy == LEAST_LOADED:
-        return min(preferred, key=lambda i: (load.get(i.instance_id, 0), i.instance_id))
-    return min(preferred, key=lambda i: (route_cost(i, request.prompt_tokens, load, held(i)), i.instance_id))
+        return least_loaded
+    # Every instance holding none of the prompt costs its load + the whole prompt, so of those the
+    # least loaded costs least: only the few that may hold a prefix need the whole formula.
+    holding = [i for i in preferred if i.node_id in cached or i.instance_id in remembered]
+    prompt = request.prompt_tokens
+    return min(
+        [least_loaded, *holding],
+        key=lambda i: (route_cost(i, prompt, load, cached_tokens(i, cached, remembered)), i.instance_id),
+    )
+
+
+def decoders(view: RoutingView, request: RouteRequest) -> tuple[Sequence[Instance], Sequence[Instance]]:
+    """The request's candidates (ready, not avoided) and those of them whose engine decodes fastest."""
+    if not request.avoid_nodes and not request.avoid_instances:
+        return view.decoders(request.model_id)
+    candidates = [i for i in view.ready(request.model_id) if not avoided(i, request)]
+    return candidates, fastest_decoders(view.calibration, candidates)
 
 
 def route(
@@ -194,23 +178,27 @@ def route(
     remembered: Mapping[str, int] | None = None,
     policy: str = KV_AWARE,
     turn: int = 0,
+    view: RoutingView | None = None,
 ) -> RouteReply:
     """cached: node id -> leading prompt tokens whose KV that node holds in memory (the KV index);
     remembered: instance id -> leading prompt tokens this router sent there recently (used for
-    engines that index nothing); policy: one of ROUTING_POLICIES (round-robin takes the `turn`th)."""
+    engines that index nothing); policy: one of ROUTING_POLICIES (round-robin takes the `turn`th);
+    view: `state`'s RoutingView, kept by the caller across decisions on that State (view_of); without
+    one, this call indexes the State for itself (O(instances))."""
+    if view is None:
+        view = RoutingView(state)
+    elif view.state is not state:
+        raise ValueError("route() was given the RoutingView of another State")
     if request.task == EMBED_TASK:
-        return route_embedding(state, request, load)
+        return route_embedding(view, request, load)
     if embeds(state, request.model_id):
         return RouteReply(error=f"{request.model_id} is an embedding model: it serves embeddings only")
     cached, remembered = cached or {}, remembered or {}
-    candidates = [i for i in ready_instances(state, request.model_id) if not avoided(i, request)]
+    candidates, preferred = decoders(view, request)
     if not candidates:
         return RouteReply(error=f"no ready instance of {request.model_id}{avoiding(request)}")
-    fastest = fastest_engines(state, candidates, "decode_tokens_per_s", lambda f: f.decode_preferred)
-    preferred = [i for i in candidates if i.engine in fastest] or candidates
-    held = partial(cached_tokens, cached=cached, remembered=remembered)
-    chosen = choose(preferred, request, load, held, policy, turn)
-    tokens, hit = load.get(chosen.instance_id, 0), held(chosen)
+    chosen = choose(preferred, request, load, cached, remembered, policy, turn)
+    tokens, hit = load.get(chosen.instance_id, 0), cached_tokens(chosen, cached, remembered)
     reason = f"{POLICY_CHOICE[policy]} of {len(preferred)} ready {chosen.engine} (load {tokens} tokens"
     reason += f", {hit} of {request.prompt_tokens} prompt tokens cached in memory)"
     if tier2_tokens:
@@ -226,10 +214,15 @@ def route(
         request.avoid_nodes,
         disagg_min_tokens,
         link_bytes_per_s,
+        view,
     )
+    expected = min(max(hit, tier2_tokens), request.prompt_tokens)
     if plan.partner is None:
         return RouteReply(
-            instance_id=chosen.instance_id, worker_id=chosen.node_id, reason=f"{reason}; {plan.why}"
+            instance_id=chosen.instance_id,
+            worker_id=chosen.node_id,
+            reason=f"{reason}; {plan.why}",
+            cached_tokens=expected,
         )
     partner = plan.partner
     return RouteReply(
@@ -238,4 +231,5 @@ def route(
         reason=reason + f"; prefill on {partner.engine} {partner.instance_id} ({plan.why})",
         prefill_instance_id=partner.instance_id,
         prefill_worker_id=partner.node_id,
+        cached_tokens=expected,
     )

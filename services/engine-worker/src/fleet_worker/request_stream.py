@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from fleet_proto import HandoffStats, TokenChunk
-from fleet_proto.messages import GenerationOutput, WorkerTask, task_tokens
+from fleet_proto.messages import GenerateTask, GenerationOutput, WorkerTask, task_tokens
 from fleet_runtime.tracing import now_ns
 from fleet_worker.request_trace import RequestTrace
 
@@ -44,6 +44,9 @@ class RequestStream:
         self.task = task
         self.request_id = task.request_id
         self.prompt_tokens = task_tokens(task)
+        # what it brings to prefill, as routing counted it: the prompt less the expected prefix hit
+        expected = task.expected_cached_tokens if isinstance(task, GenerateTask) else 0
+        self.to_prefill = max(self.prompt_tokens - expected, 0)
         self.trace = trace  # None unless the gateway sampled the request for tracing
         self.generated = 0  # tokens so far
         self.started = False  # the engine (or the prefill) has produced: no longer queued

@@ -104,8 +104,12 @@ class RunningInstance:
         return len(self.streams) + len(self.exports)
 
     def running_tokens(self) -> int:
-        return sum(s.prompt_tokens + s.generated for s in self.streams.values() if s.started)
+        """The KV context of the requests decoding (prompt + generated): memory, not waiting work."""
+        return sum(s.prompt_tokens + s.generated for s in self.streams.values() if s.generated)
 
     def queued_tokens(self) -> int:
-        queued = sum(s.prompt_tokens for s in self.streams.values() if not s.started)
+        """Prompt tokens still to prefill: of requests before their first token (queued or
+        prefilling), what routing expected them to compute (the prompt less its expected prefix
+        hit); exports' prompts. What a new request waits behind, and the scheduler's load term."""
+        queued = sum(s.to_prefill for s in self.streams.values() if not s.generated)
         return queued + sum(e.prompt_tokens for e in self.exports.values())

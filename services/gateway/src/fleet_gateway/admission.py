@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from fleet_gateway.errors import ApiError
 from fleet_proto import NodeMetrics, State
-from fleet_proto.routing import ready_instances
+from fleet_proto.routing_view import RoutingView
 
 # Who is asking, for the queue's fairness: set per request by the limits middleware.
 CALLER: ContextVar[str] = ContextVar("fleet_caller", default="anonymous")
@@ -38,16 +38,25 @@ class AdmissionLimits:
     timeout_s: float = 30.0
 
 
+# An instance's free slots, and whether it is full.
+Occupancy = tuple[int, bool]
+
+
+def occupancy(slots: int, running: int) -> Occupancy:
+    """Full at as many requests as its slots; an unknown capacity (0 slots): one free slot, never full."""
+    return (max(slots - running, 0), running >= slots) if slots > 0 else (1, False)
+
+
 def full_instances(
     candidates: Iterable[str], slots: Mapping[str, int], running: Mapping[str, int]
 ) -> set[str]:
     """The candidates running as many requests as they have slots (an unknown capacity: never full)."""
-    return {i for i in candidates if slots.get(i, 0) > 0 and running.get(i, 0) >= slots[i]}
+    return {i for i in candidates if occupancy(slots.get(i, 0), running.get(i, 0))[1]}
 
 
 def free_slots(candidates: Iterable[str], slots: Mapping[str, int], running: Mapping[str, int]) -> int:
     """Slots free over the candidates; one with an unknown capacity counts as one free slot."""
-    return sum(max(slots[i] - running.get(i, 0), 0) if slots.get(i, 0) > 0 else 1 for i in candidates)
+    return sum(occupancy(slots.get(i, 0), running.get(i, 0))[0] for i in candidates)
 
 
 @dataclass(eq=False)
@@ -65,53 +74,96 @@ def next_waiter(waiters: Iterable[Waiter], last_served: Mapping[str, int]) -> Wa
 
 class InstanceLoad:
     """Requests running on each instance, as this gateway knows them: the workers' reports (1 Hz)
-    corrected by what this gateway sent and saw finish since."""
+    corrected by what this gateway sent and saw finish since. `on_change(instance, before, after)`
+    hears every change of an instance's occupancy; change `slots` only through on_sample."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[str, Occupancy, Occupancy], None] | None = None) -> None:
         self.in_flight: dict[str, int] = {}  # this gateway's requests on each instance
         self._reported: dict[str, int] = {}
         self._since_report: dict[str, int] = {}  # sent minus finished since the last report
         self.slots: dict[str, int] = {}
+        self._on_change = on_change
 
     def on_sample(self, sample: NodeMetrics) -> None:
         for instance_id, slots in sample.request_slots.items():
+            before = self.occupancy(instance_id)
             self.slots[instance_id] = slots
             self._reported[instance_id] = sample.active_requests.get(instance_id, 0)
             self._since_report[instance_id] = 0
+            self._changed(instance_id, before)
 
     def sent(self, instance_id: str) -> None:
+        before = self.occupancy(instance_id)
         self.in_flight[instance_id] = self.in_flight.get(instance_id, 0) + 1
         self._since_report[instance_id] = self._since_report.get(instance_id, 0) + 1
+        self._changed(instance_id, before)
 
     def finished(self, instance_id: str) -> None:
+        before = self.occupancy(instance_id)
         left = self.in_flight.get(instance_id, 0) - 1
         if left > 0:
             self.in_flight[instance_id] = left
         else:
             self.in_flight.pop(instance_id, None)
         self._since_report[instance_id] = self._since_report.get(instance_id, 0) - 1
+        self._changed(instance_id, before)
+
+    def running_on(self, instance_id: str) -> int:
+        """running().get(instance_id, 0): unreported, sent minus finished is at most what is in flight."""
+        i = instance_id
+        return max(self.in_flight.get(i, 0), self._reported.get(i, 0) + self._since_report.get(i, 0))
 
     def running(self) -> dict[str, int]:
-        instances = self.in_flight.keys() | self._reported.keys()
-        return {
-            i: max(self.in_flight.get(i, 0), self._reported.get(i, 0) + self._since_report.get(i, 0))
-            for i in instances
-        }
+        return {i: self.running_on(i) for i in self.in_flight.keys() | self._reported.keys()}
+
+    def occupancy(self, instance_id: str) -> Occupancy:
+        return occupancy(self.slots.get(instance_id, 0), self.running_on(instance_id))
+
+    def _changed(self, instance_id: str, before: Occupancy) -> None:
+        if self._on_change is not None and (after := self.occupancy(instance_id)) != before:
+            self._on_change(instance_id, before, after)
+
+
+@dataclass(eq=False)
+class Room:
+    """One model's candidates (its ready instances on one State), their free slots in all and those
+    full: free_slots and full_instances over them, kept as the load changes."""
+
+    candidates: tuple[str, ...]
+    free: int
+    full: set[str]
+    _full_sorted: tuple[str, ...] | None = field(default=None, init=False, repr=False)
+
+    def full_sorted(self) -> tuple[str, ...]:
+        if self._full_sorted is None:
+            self._full_sorted = tuple(sorted(self.full))
+        return self._full_sorted
+
+    def changed(self, instance_id: str, before: Occupancy, after: Occupancy) -> None:
+        self.free += after[0] - before[0]
+        if after[1] != before[1]:
+            (self.full.add if after[1] else self.full.discard)(instance_id)
+            self._full_sorted = None
 
 
 class Admission:
-    """The queue in front of routing (one per gateway)."""
+    """The queue in front of routing (one per gateway). `view`: the RoutingView of the State current
+    now (the gateway's KeptView, shared with model resolution and routing)."""
 
     def __init__(
         self,
-        state: Callable[[], State],
+        view: Callable[[], RoutingView],
         limits: AdmissionLimits = AdmissionLimits(),
         priority: Callable[[str], int] = lambda caller: 0,
     ) -> None:
-        self._state = state
+        self._view = view
         self._limits = limits
         self._priority = priority
-        self.load = InstanceLoad()
+        self.load = InstanceLoad(self._load_changed)
+        # Rooms of the models asked for on _rooms_state (a new State: rebuilt as asked for again)
+        self._rooms_state: State | None = None
+        self._rooms: dict[str, Room] = {}
+        self._rooms_of: dict[str, list[Room]] = {}  # instance id -> the rooms it is a candidate in
         self._waiting: dict[str, list[Waiter]] = {}  # model id -> its waiters
         # model id -> requests let in that have not sent their task yet: their room is held
         self._entering: dict[str, int] = {}
@@ -123,19 +175,36 @@ class Admission:
     def waiting(self) -> dict[str, int]:
         return {m: len(w) for m, w in self._waiting.items() if w}
 
-    def _candidates(self, model_id: str) -> list[str]:
-        return [i.instance_id for i in ready_instances(self._state(), model_id)]
+    def _room_of(self, model_id: str) -> Room:
+        """The model's Room on the State current now: its candidates are ready_instances(state,
+        model_id), read from the view's index; their load from here on is kept by _load_changed."""
+        view = self._view()
+        if view.state is not self._rooms_state:
+            self._rooms_state, self._rooms, self._rooms_of = view.state, {}, {}
+        if (room := self._rooms.get(model_id)) is None:
+            candidates = tuple(i.instance_id for i in view.ready(model_id))
+            taken = [self.load.occupancy(i) for i in candidates]
+            full = {i for i, (_, is_full) in zip(candidates, taken, strict=True) if is_full}
+            room = self._rooms[model_id] = Room(candidates, sum(free for free, _ in taken), full)
+            for instance_id in candidates:
+                self._rooms_of.setdefault(instance_id, []).append(room)
+        return room
+
+    def _load_changed(self, instance_id: str, before: Occupancy, after: Occupancy) -> None:
+        for room in self._rooms_of.get(instance_id, ()):
+            room.changed(instance_id, before, after)
 
     def full(self, model_id: str) -> tuple[str, ...]:
         """The model's ready instances that are full now: a request is routed off them."""
-        running = self.load.running()
-        return tuple(sorted(full_instances(self._candidates(model_id), self.load.slots, running)))
+        return self._room_of(model_id).full_sorted()
 
-    def _room(self, model_id: str) -> int:
-        candidates = self._candidates(model_id)
-        if not candidates:  # no instance at all: routing says so (a queue would wait for nothing)
+    def room(self, model_id: str) -> int:
+        """Requests the model takes now without waiting: its free slots less those held for requests
+        let in that have not sent yet (1 when it has no ready instance)."""
+        room = self._room_of(model_id)
+        if not room.candidates:  # no instance at all: routing says so (a queue would wait for nothing)
             return 1
-        return free_slots(candidates, self.load.slots, self.load.running()) - self._entering.get(model_id, 0)
+        return room.free - self._entering.get(model_id, 0)
 
     @contextlib.asynccontextmanager
     async def entry(self, model_id: str, caller: str) -> AsyncIterator[Ticket]:
@@ -143,7 +212,7 @@ class Admission:
         bound or past the deadline. Inside, the request tells its ticket where it sent its task and
         when that stream ended (each hop of a moved request)."""
         ticket = Ticket(self, model_id)
-        if self._waiting.get(model_id) or self._room(model_id) <= 0:
+        if self._waiting.get(model_id) or self.room(model_id) <= 0:
             await self._wait(model_id, caller)  # let in: its room is held (wake counted it)
         else:
             self._entering[model_id] = self._entering.get(model_id, 0) + 1
@@ -203,7 +272,9 @@ class Admission:
     def wake(self) -> None:
         """Let waiters in while their model has room (a slot opened, a report came)."""
         for model_id, waiters in self._waiting.items():
-            room = self._room(model_id)
+            if not waiters:
+                continue
+            room = self.room(model_id)
             while waiters and room > 0:
                 waiter = next_waiter(waiters, self._last_served)
                 waiters.remove(waiter)

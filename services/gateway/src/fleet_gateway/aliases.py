@@ -8,8 +8,12 @@ requested name need not be staged or even known to the cluster.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from fleet_proto import InstanceStatus, State
 from fleet_proto.routing import base_model
+from fleet_proto.routing_view import RoutingView
 from fleet_store import base_model_name
 
 
@@ -25,11 +29,26 @@ def base_name(state: State, model_id: str) -> str:
     return base_model_name(base_model(state, model_id))
 
 
-def serving_model(state: State, requested: str) -> str | None:
+@dataclass(frozen=True)
+class ReadyNames:
+    """One State's ready models, and per base name the first of them (by name) that has it."""
+
+    ready: frozenset[str]
+    by_base_name: Mapping[str, str]
+
+
+def ready_names(view: RoutingView) -> ReadyNames:
+    by_base_name: dict[str, str] = {}
+    for model_id in view.ready_models():  # by name: the first keeps its base name
+        by_base_name.setdefault(base_name(view.state, model_id), model_id)
+    return ReadyNames(frozenset(view.ready_models()), by_base_name)
+
+
+def serving_model(view: RoutingView, requested: str) -> str | None:
     """The model id whose instances serve `requested`: itself when it has a ready instance, else the
-    first ready model (by name) of the same base model; None when there is none."""
-    ready = ready_models(state)
-    if requested in ready:
+    first ready model (by name) of the same base model; None when there is none. Read from an index
+    of the view's State (ready_names, built once per State), not a scan of its instances."""
+    names = view.derived(ready_names)
+    if requested in names.ready:
         return requested
-    wanted = base_name(state, requested)
-    return next((model_id for model_id in ready if base_name(state, model_id) == wanted), None)
+    return names.by_base_name.get(base_name(view.state, requested))

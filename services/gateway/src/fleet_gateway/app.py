@@ -1,9 +1,11 @@
 """The gateway's HTTP app: /health, /state (State rebuilt from the event stream, with each ready
-decoder's possible prefill partners, fleet_proto.partners), /events (SSE)."""
+decoder's possible prefill partners, the first PARTNERS_LISTED of them, fleet_proto.partners),
+/events (SSE)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
@@ -12,6 +14,7 @@ from fleet_bus import StateFollower
 from fleet_proto import encode
 from fleet_proto.events import EventBase
 from fleet_proto.partners import partner_table
+from fleet_proto.routing_view import KeptView, RoutingView
 from fleet_proto.subjects import event_subject
 
 SSE_KEEPALIVE_S = 15.0
@@ -23,10 +26,15 @@ def sse_frame(seq: int, event: EventBase) -> bytes:
     return b"event: " + kind.encode() + b"\nid: " + str(seq).encode() + b"\ndata: " + encode(event) + b"\n\n"
 
 
-def state_routes(follower: StateFollower) -> list[web.RouteDef]:
+def state_routes(
+    follower: StateFollower, view: Callable[[], RoutingView] | None = None
+) -> list[web.RouteDef]:
+    """`view`: the follower's State indexed (the gateway's KeptView: its partner pools are routing's)."""
+    kept = view or KeptView(lambda: follower.state)
+
     async def get_state(_: web.Request) -> web.Response:
-        state = follower.state
-        body = msgspec.to_builtins(state) | {"partners": partner_table(state)}
+        now = kept()
+        body = msgspec.to_builtins(now.state) | {"partners": partner_table(now.state, now)}
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def get_events(request: web.Request) -> web.StreamResponse:

@@ -39,6 +39,7 @@ from fleet_proto import (
 )
 from fleet_proto.messages import EMBED_TASK, PREFIX_BLOCK_TOKENS, TASK_TTL_S, UNAVAILABLE, WorkerTask
 from fleet_proto.routing import DEFAULT_DISAGG_MIN_TOKENS, route
+from fleet_proto.routing_view import KeptView, RoutingView
 from fleet_proto.subjects import (
     REQUEST_STATS_SUBJECT,
     ROUTE_SUBJECT,
@@ -183,14 +184,16 @@ class Generator:
         disagg_min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS,
         max_migrations: int = MAX_MIGRATIONS,
         admission: Admission | None = None,
+        view: Callable[[], RoutingView] | None = None,
     ) -> None:
         self._tracing = tracing
-        self._admission = admission or Admission(lambda: follower.state)
+        # the follower's State indexed (the fallback route() reads it), shared with admission's
+        self._view = view or KeptView(lambda: follower.state)
+        self._admission = admission or Admission(self._view)
         self._max_migrations = max_migrations
         self._kv_block_size = kv_block_size
         self._disagg_min_tokens = disagg_min_tokens
         self._bus = bus
-        self._follower = follower
         self._liveness = liveness
 
     async def _route(self, request: RouteRequest) -> RouteReply:
@@ -198,7 +201,8 @@ class Generator:
             return await self._bus.request(ROUTE_SUBJECT, request, RouteReply, ROUTE_TIMEOUT_S)
         except RequestFailed as exc:
             log.warning("scheduler did not route %s (%s); choosing locally", request.request_id, exc)
-            return route(self._follower.state, request, {}, disagg_min_tokens=self._disagg_min_tokens)
+            view = self._view()
+            return route(view.state, request, {}, disagg_min_tokens=self._disagg_min_tokens, view=view)
 
     async def generate(
         self,
@@ -242,6 +246,7 @@ class Generator:
                 traceparent=parent,
                 sent_at_ns=time.time_ns(),
                 generated_token_ids=generated,
+                expected_cached_tokens=decision.cached_tokens,
             )
 
         async for chunk in self._run(route_request, task):

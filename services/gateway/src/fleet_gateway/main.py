@@ -34,6 +34,7 @@ from fleet_gateway.sampling import RequestLimits
 from fleet_gateway.trace_routes import trace_routes, tracing_middleware
 from fleet_gateway.turns import Turns
 from fleet_proto import NodeMetrics, ServiceKind
+from fleet_proto.routing_view import KeptView
 from fleet_proto.subjects import ALL_METRICS_SUBJECT
 from fleet_runtime.health import health_handler, start_http
 from fleet_runtime.service import ServiceContext, run
@@ -62,7 +63,10 @@ async def main(ctx: ServiceContext) -> None:
     admission_limits = AdmissionLimits(
         settings.admission_queue, settings.admission_queue_per_key, settings.admission_timeout_s
     )
-    admission = Admission(lambda: ctx.follower.state, admission_limits, priorities.of)
+    # The follower's State indexed, kept per State object: model resolution, admission, the
+    # fallback route() and /state all read it (no scan of every instance per request).
+    view = KeptView(lambda: ctx.follower.state)
+    admission = Admission(view, admission_limits, priorities.of)
     ctx.spawn(publish_samples(ctx.bus, ctx.service_id, admission), "admission-samples")
 
     def on_sample(sample: NodeMetrics) -> None:
@@ -81,6 +85,7 @@ async def main(ctx: ServiceContext) -> None:
         ctx.settings.disagg_min_tokens,
         ctx.settings.max_migrations,
         admission,
+        view,
     )
 
     keys = KeyRing.from_settings(settings.api_keys, settings.admin_keys)
@@ -97,11 +102,11 @@ async def main(ctx: ServiceContext) -> None:
     ]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
-    app.add_routes(state_routes(ctx.follower))
+    app.add_routes(state_routes(ctx.follower, view))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
     app.add_routes(admission_routes(admission, admission_limits, priorities))
     limits = RequestLimits(settings.max_prompt_tokens, settings.max_completion_tokens, settings.max_n)
-    turns = Turns(generator, catalog, ctx.follower, ctx.tracing, limits)
+    turns = Turns(generator, catalog, ctx.follower, ctx.tracing, limits, view)
     app.add_routes(openai_routes(turns, ctx.follower))
     app.add_routes(anthropic_routes(turns))
     app.add_routes(ollama_routes(turns, ctx.follower))

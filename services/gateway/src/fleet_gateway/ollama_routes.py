@@ -57,8 +57,9 @@ def ollama_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
 
     async def show(request: web.Request) -> web.Response:
         name = api.parse_show_request(await request.read())
-        state = follower.state
-        serving = serving_model(state, name)  # with a ready instance: its tokenizer tells the rest
+        view = turns.view()
+        state = view.state
+        serving = serving_model(view, name)  # with a ready instance: its tokenizer tells the rest
         model_id = serving or (name if name in state.models else None)
         if model_id is None:
             raise ApiError(404, f"model '{name}' not found", param="model")

@@ -49,6 +49,7 @@ from fleet_gateway.tokenizer import ChatTokenizer
 from fleet_gateway.tool_grammar import ForcedCalls, with_forced_calls
 from fleet_proto import SamplingParams, TokenChunk
 from fleet_proto.messages import EMBED_TASK, GENERATE_TASK, TokenLogprob
+from fleet_proto.routing_view import KeptView, RoutingView
 from fleet_runtime.tracing import Tracing
 from fleet_store import StoreError
 
@@ -290,18 +291,21 @@ class Turns:
         follower: StateFollower,
         tracing: Tracing,
         limits: RequestLimits = NO_LIMITS,
+        view: Callable[[], RoutingView] | None = None,
     ) -> None:
         self._tracing = tracing
         self._limits = limits
         self._generator = generator
         self._catalog = catalog
-        self._follower = follower
+        # the follower's State indexed: the gateway's one KeptView, shared with admission and routing
+        self.view = view or KeptView(lambda: follower.state)
 
     async def resolve(self, requested: str, task: str = GENERATE_TASK) -> ModelInfo:
         """The model serving `requested` (itself, or a ready model of the same base model), when it
         does `task`: an embedding model only embeds, a chat model only generates."""
-        state = self._follower.state
-        model_id = serving_model(state, requested)
+        view = self.view()
+        state = view.state
+        model_id = serving_model(view, requested)
         cards = (state.models.get(name) for name in (requested, model_id or ""))
         if any(c is not None and (c.embedding is not None) != (task == EMBED_TASK) for c in cards):
             raise ApiError(400, wrong_kind(requested, task), param="model", code="model_not_supported")

@@ -121,7 +121,7 @@ def node_families(samples: Iterable[NodeMetrics]) -> list[Metric]:
         "fleet_instance_active_requests", "Requests running in the instance now.", labels=inst
     )
     queued = GaugeMetricFamily(
-        "fleet_instance_queued_tokens", "Tokens waiting to be scheduled in the instance.", labels=inst
+        "fleet_instance_queued_tokens", "Prompt tokens waiting to be prefilled in the instance.", labels=inst
     )
     gpu = ["node", "gpu"]
     gpu_util = GaugeMetricFamily("fleet_gpu_utilization_ratio", "GPU utilisation (0..1).", labels=gpu)

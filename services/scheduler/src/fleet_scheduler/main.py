@@ -14,7 +14,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import msgspec
 import redis.asyncio as aioredis
@@ -40,6 +41,7 @@ from fleet_proto import (
 )
 from fleet_proto.engines import engine_facts
 from fleet_proto.routing import route, routed_work
+from fleet_proto.routing_view import RoutingView, view_of
 from fleet_proto.subjects import ALL_METRICS_SUBJECT, PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
 from fleet_runtime.service import ServiceContext, run
 from fleet_scheduler.engine_choice import faster_engine, moved_to_engine
@@ -49,7 +51,7 @@ from fleet_scheduler.placement import PlacementError, placed_again, placement_op
 from fleet_scheduler.placer import Placer, created, deletion
 from fleet_scheduler.replacement import failed_pipeline, replacement
 from fleet_scheduler.routed_prefixes import RoutedPrefixes
-from fleet_store.kv_index import TIER2, KVIndex, cached_prefix_blocks, tokens_by_holder
+from fleet_store.kv_index import TIER2, KVIndex, tokens_by_holder
 
 log = logging.getLogger("fleet_scheduler")
 LIVENESS_CHECK_S = 1.0
@@ -60,27 +62,37 @@ Answered = set[tuple[str, int]]
 
 
 class LoadTracker:
-    """Tokens running + queued per instance: the workers' last report plus the prompt tokens new to
-    it routed there since (fleet_proto.routing.routed_work)."""
+    """Per instance, the work a new request waits behind, in prompt tokens: its worker's last report
+    (prompt tokens still to prefill, plus one per request in flight, so fewer streams win a tie) plus
+    the prompt tokens new to it routed there since (fleet_proto.routing.routed_work). Not the context
+    of the requests decoding: a conversation whose last turn is still streaming would weigh there as
+    its whole history, and its next turn would be sent away from that history's KV."""
 
     def __init__(self) -> None:
         self.reported: dict[str, int] = {}
         self.routed_since_report: dict[str, int] = {}
         self.last_seen: dict[str, float] = {}  # node_id -> monotonic time of its last metrics
+        # reported + routed_since_report per instance, kept as either changes: a decision reads it
+        # as it is rather than summing 1,000 entries again
+        self._load: dict[str, int] = {}
+        self._load_view: Mapping[str, int] = MappingProxyType(self._load)
 
     def on_metrics(self, metrics: NodeMetrics) -> None:
         self.last_seen[metrics.node_id] = time.monotonic()
         for instance_id in metrics.active_requests:
-            running = metrics.running_tokens.get(instance_id, 0)
-            self.reported[instance_id] = running + metrics.queued_tokens.get(instance_id, 0)
+            in_flight = metrics.active_requests[instance_id]
+            self.reported[instance_id] = metrics.queued_tokens.get(instance_id, 0) + in_flight
             self.routed_since_report.pop(instance_id, None)
+            self._load[instance_id] = self.reported[instance_id]
 
     def on_routed(self, instance_id: str, tokens: int) -> None:
         self.routed_since_report[instance_id] = self.routed_since_report.get(instance_id, 0) + tokens
+        self._load[instance_id] = self._load.get(instance_id, 0) + tokens
 
-    def load(self) -> dict[str, int]:
-        keys = self.reported.keys() | self.routed_since_report.keys()
-        return {k: self.reported.get(k, 0) + self.routed_since_report.get(k, 0) for k in keys}
+    def load(self) -> Mapping[str, int]:
+        """Per instance, reported + routed_since_report. A read-only view that follows the tracker,
+        not a copy: read it within one decision (route() is synchronous), not across an await."""
+        return self._load_view
 
 
 class KVLookup:
@@ -100,8 +112,8 @@ class KVLookup:
         if not request.block_hashes or not request.kv_fingerprint:
             return {}, 0, ""
         try:
-            holders = await asyncio.wait_for(
-                self._index.holders(request.kv_fingerprint, request.block_hashes), self._timeout_s
+            blocks = await asyncio.wait_for(
+                self._index.prefix_blocks(request.kv_fingerprint, request.block_hashes), self._timeout_s
             )
         except Exception as exc:
             why = str(exc) or f"no answer within {self._timeout_s} s"
@@ -112,7 +124,7 @@ class KVLookup:
         if self.failing:
             log.info("KV index (Redis) answers again: KV-aware routing resumed")
             self.failing = False
-        tokens = tokens_by_holder(cached_prefix_blocks(holders), self._block_size)
+        tokens = tokens_by_holder(blocks, self._block_size)
         return tokens, tokens.pop(TIER2, 0), ""
 
 
@@ -257,8 +269,11 @@ async def main(ctx: ServiceContext) -> None:
     lookup = KVLookup(KVIndex(client), ctx.settings.kv_block_size)
     sent = RoutedPrefixes()  # for engines that index no KV
     turns = itertools.count()  # the round-robin policy's
+    # route()'s index of the State, made again when the follower's State is a new object (per event)
+    view: RoutingView | None = None
 
     async def on_route(request: RouteRequest) -> RouteReply:
+        nonlocal view
         with ctx.tracing.span("kv lookup (Redis)", "kv", {"fleet.blocks": len(request.block_hashes)}) as span:
             cached, tier2, unindexed = await lookup.cached_prefixes(request)
             span.set_attributes(
@@ -269,9 +284,11 @@ async def main(ctx: ServiceContext) -> None:
                 }
             )
         remembered = sent.held(request)
+        state = ctx.follower.state  # the decision's State, and the view indexing it
+        view = view_of(state, view)
         with ctx.tracing.span("route decision", "route") as span:
             reply = route(
-                ctx.follower.state,
+                state,
                 request,
                 tracker.load(),
                 cached,
@@ -281,16 +298,15 @@ async def main(ctx: ServiceContext) -> None:
                 remembered,
                 ctx.settings.routing_policy,
                 next(turns),
+                view,
             )
             span.set_attribute("fleet.reason", reply.reason or reply.error)
-        chosen = ctx.follower.state.instances.get(reply.instance_id)
+        chosen = state.instances.get(reply.instance_id)
         if chosen is not None and engine_facts(chosen.engine).kv_local:
             sent.remember(request, chosen.instance_id)
         if unindexed and reply.instance_id:  # say so: "0 tokens cached" alone reads like a cold cache
             reply = msgspec.structs.replace(reply, reason=f"{reply.reason}; {unindexed}")
-        for instance_id, tokens in routed_work(
-            reply, ctx.follower.state, request, cached, remembered, tier2
-        ).items():
+        for instance_id, tokens in routed_work(reply, request).items():
             tracker.on_routed(instance_id, tokens)
         decided = RouteDecided(
             request_id=request.request_id,

@@ -1,7 +1,7 @@
 """llama.cpp engine on llama-cpp-python's C API (ctypes): a GGUF served as it is, token ids in and
 out, continuous batching across sequences in one llama_context.
 
-Whole at ~460 lines: what is left here is the Engine protocol over the contexts and slots (admit,
+Whole at ~480 lines: what is left here is the Engine protocol over the contexts and slots (admit,
 step, emit, cancel); each separable job already lives in the modules named below.
 
 The engine owns the contexts and the slots; its parts each do one job on them: context.py (contexts
@@ -316,7 +316,9 @@ class LlamaCppEngine:
             if not imported and not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, reuse, -1):
                 llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
                 reuse = 0
-            self._slots.take(slot, reuse, sequence.reserved)
+            if not imported:
+                reuse = self._share_prefix(sequence, slot, reuse)
+            self._slots.take(slot, reuse, sequence.reserved, len(sequence.context))
             sequence.slot, sequence.fed = slot, reuse
             # handed over, not cached; of the prompt (a continuation's generated tokens are not)
             sequence.cached_tokens = 0 if imported else min(reuse, len(sequence.request.prompt_token_ids))
@@ -324,6 +326,21 @@ class LlamaCppEngine:
                 self._prefill is not None and sequence.apart_until - reuse >= self.prefill_apart_min_tokens
             )
             self._running.append(sequence)
+
+    def _share_prefix(self, sequence: LlamaSequence, slot: Slot, kept: int) -> int:
+        """Another slot's longer prefix of the prompt copied into `slot` (seq_cp shares the cells);
+        the tokens the slot now reuses. Lenders are the slots whose KV is in this context: not those
+        of prompts being prefilled apart (theirs grows in the prefill context)."""
+        away = {s.slot.seq_id for s in self._running if s.started_apart and s.slot is not None}
+        lenders = [s for s in self._slots.all if s.seq_id not in away]
+        found = self._slots.donor(sequence.context, slot, kept, lenders)
+        if found is None:
+            return kept
+        donor, shared = found
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._memory, donor.seq_id, slot.seq_id, 0, shared)
+        slot.tokens[:] = donor.tokens[:shared]
+        return shared
 
     # -- one forward pass --------------------------------------------------------------------------------
     def _forward(self) -> list[EngineOutput]:
