@@ -186,8 +186,9 @@ def test_a_cancel_while_prefilling_apart_leaves_both_contexts_clean(model_dir: P
         engine.close()
 
 
-def test_without_the_prefill_copy_every_token_runs_on_the_decode_weights(model_dir: Path, direct) -> None:
-    plain = LlamaCppEngine(
+def plain_engine(model_dir: Path) -> LlamaCppEngine:
+    """An engine of its own with two slots and no prefill copy: every token on the decode weights."""
+    return LlamaCppEngine(
         model_dir,
         n_ctx=2048,
         n_batch=64,
@@ -195,6 +196,10 @@ def test_without_the_prefill_copy_every_token_runs_on_the_decode_weights(model_d
         weight_type=DECODE_TYPE,
         prefill_weight_type="none",
     )
+
+
+def test_without_the_prefill_copy_every_token_runs_on_the_decode_weights(model_dir: Path, direct) -> None:
+    plain = plain_engine(model_dir)
     try:
         assert plain._prefill is None
         long = tokens_of(direct, LONG + QUESTION)
@@ -227,14 +232,7 @@ def test_a_prompt_asked_again_reuses_its_slot_prefix(engine, direct) -> None:
 def test_a_prefix_another_slot_holds_is_shared_and_decodes_like_a_cold_run(model_dir: Path, direct) -> None:
     """Two conversations with one long system prompt: the second, arriving while the first decodes
     in its slot, takes the other slot and gets the shared prefix's cells from the first's."""
-    engine = LlamaCppEngine(
-        model_dir,
-        n_ctx=2048,
-        n_batch=64,
-        max_batch_size=2,
-        weight_type=DECODE_TYPE,
-        prefill_weight_type="none",
-    )
+    engine = plain_engine(model_dir)
     first = tokens_of(direct, LONG + QUESTION)
     second = tokens_of(direct, LONG + QUESTION.replace("France", "Laos"))
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
