@@ -209,19 +209,12 @@ def test_the_partner_table_lists_a_bounded_number_per_decoder() -> None:
     assert [p["instance_id"] for p in table["i02"]] == ["i00", "i01", "i03", "i04"]
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_the_views_ready_models_are_every_model_with_a_ready_instance(seed: int) -> None:
-    state = random_state(seed)
-    ready = {i.model_id for i in state.instances.values() if i.status == InstanceStatus.READY}
-    assert RoutingView(state).ready_models() == tuple(sorted(ready))  # any role, its node gone or not
-
-
 def test_an_index_derived_from_a_view_is_built_once_per_view() -> None:
     built = []
 
     def names(view: RoutingView) -> tuple[str, ...]:
         built.append(view)
-        return view.ready_models()
+        return tuple(sorted(view.state.instances))
 
     state = random_state(3)
     view = RoutingView(state)

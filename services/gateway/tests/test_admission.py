@@ -14,9 +14,8 @@ from fleet_gateway.admission import (
     AdmissionLimits,
     InstanceLoad,
     Waiter,
-    free_slots,
-    full_instances,
     next_waiter,
+    occupancy,
 )
 from fleet_gateway.errors import ApiError
 from fleet_proto import Instance, InstancePlaced, InstanceReady, InstanceStatus, NodeMetrics, State
@@ -27,8 +26,21 @@ from fleet_proto.testing import bare_node, state_of
 pytestmark = pytest.mark.unit
 
 
+def full_instances(candidates: list[str], slots: dict[str, int], running: dict[str, int]) -> set[str]:
+    """The scan Admission's rooms keep up to date: candidates running as many requests as their slots."""
+    return {i for i in candidates if slots.get(i, 0) > 0 and running.get(i, 0) >= slots[i]}
+
+
+def free_slots(candidates: list[str], slots: dict[str, int], running: dict[str, int]) -> int:
+    """The scan's free slots: one of unknown capacity counts as one."""
+    return sum(max(slots[i] - running.get(i, 0), 0) if slots.get(i, 0) > 0 else 1 for i in candidates)
+
+
 def test_an_instance_is_full_at_its_slots_and_one_of_unknown_capacity_never_is():
     slots, running = {"a": 2, "b": 2}, {"a": 2, "b": 1, "c": 50}
+    assert occupancy(slots["a"], running["a"]) == (0, True)
+    assert occupancy(slots["b"], running["b"]) == (1, False)
+    assert occupancy(0, running["c"]) == (1, False)
     assert full_instances(["a", "b", "c"], slots, running) == {"a"}
     assert free_slots(["a", "b", "c"], slots, running) == 0 + 1 + 1
 

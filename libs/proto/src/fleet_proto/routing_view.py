@@ -86,26 +86,18 @@ class RoutingView:
         self._pools: dict[tuple[str, str], tuple[Instance, ...]] = {}  # (model, engine) -> partners
         self._calibrations: dict[str, EngineCalibration | None] = {}
         self._speeds: dict[str, float] = {}
-        self._ready_model_ids: set[str] = set()  # models with a READY instance, any role or node
-        self._ready_models: tuple[str, ...] | None = None
         self._derived: dict[Callable[[RoutingView], object], object] = {}
 
     def _index(self) -> None:
-        state, nodes = self.state, self.state.nodes
+        state = self.state
         exports = {
             engine: engine_facts(engine).kv_export for engine in {i.engine for i in state.instances.values()}
         }
         for instance in state.instances.values():
             if instance.status != InstanceStatus.READY:
                 continue
-            self._ready_model_ids.add(instance.model_id)
             base = base_model(state, instance.model_id)
-            # serving(state, instance), its status known
-            if (
-                instance.role in DECODE_ROLES
-                and instance.node_id in nodes
-                and all(s.node_id in nodes for s in instance.shards)
-            ):
+            if instance.role in DECODE_ROLES and serving(state, instance):
                 self._decoders_by_model.setdefault(instance.model_id, []).append(instance)
                 self._decoders_by_base.setdefault(base, []).append(instance)
             if instance.role in PREFILL_ROLES and exports[instance.engine]:
@@ -130,15 +122,6 @@ class RoutingView:
             found = tuple(i for i in same_base if embeds(state, i.model_id) == kind)
         self._ready[model_id] = found
         return found
-
-    def ready_models(self) -> tuple[str, ...]:
-        """The models with a READY instance, by name (any role, its nodes in the cluster or not): the
-        names a gateway resolves requests against and lists."""
-        if self._ready_models is None:
-            if not self._indexed:
-                self._index()
-            self._ready_models = tuple(sorted(self._ready_model_ids))
-        return self._ready_models
 
     def derived(self, build: Callable[[RoutingView], T]) -> T:
         """build(self), once per view: an index that whoever holds the view derives from its State

@@ -47,18 +47,6 @@ def occupancy(slots: int, running: int) -> Occupancy:
     return (max(slots - running, 0), running >= slots) if slots > 0 else (1, False)
 
 
-def full_instances(
-    candidates: Iterable[str], slots: Mapping[str, int], running: Mapping[str, int]
-) -> set[str]:
-    """The candidates running as many requests as they have slots (an unknown capacity: never full)."""
-    return {i for i in candidates if occupancy(slots.get(i, 0), running.get(i, 0))[1]}
-
-
-def free_slots(candidates: Iterable[str], slots: Mapping[str, int], running: Mapping[str, int]) -> int:
-    """Slots free over the candidates; one with an unknown capacity counts as one free slot."""
-    return sum(occupancy(slots.get(i, 0), running.get(i, 0))[0] for i in candidates)
-
-
 @dataclass(eq=False)
 class Waiter:
     caller: str
@@ -127,7 +115,7 @@ class InstanceLoad:
 @dataclass(eq=False)
 class Room:
     """One model's candidates (its ready instances on one State), their free slots in all and those
-    full: free_slots and full_instances over them, kept as the load changes."""
+    full (`occupancy` of each), kept as the load changes."""
 
     candidates: tuple[str, ...]
     free: int

@@ -39,9 +39,10 @@ class ReadyNames:
 
 def ready_names(view: RoutingView) -> ReadyNames:
     by_base_name: dict[str, str] = {}
-    for model_id in view.ready_models():  # by name: the first keeps its base name
+    ready = ready_models(view.state)
+    for model_id in ready:  # by name: the first keeps its base name
         by_base_name.setdefault(base_name(view.state, model_id), model_id)
-    return ReadyNames(frozenset(view.ready_models()), by_base_name)
+    return ReadyNames(frozenset(ready), by_base_name)
 
 
 def serving_model(view: RoutingView, requested: str) -> str | None:
