@@ -9,6 +9,7 @@ and answers with scripted TokenChunks, so no server or engine is involved.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from fleet_gateway.errors import error_middleware
+from fleet_gateway.generation import NoInstance
 from fleet_gateway.models import ModelInfo
 from fleet_gateway.ollama_routes import ollama_routes
 from fleet_gateway.openai_routes import openai_routes
@@ -44,15 +46,27 @@ class FakeGenerator:
     """Answers each task with the text "seed <seed>" in two chunks (prefix-cached tokens: 4 for
     choice 0, 9 for the others), or refuses it as an engine refuses a spec it cannot compile."""
 
-    def __init__(self, refuse: bool = False, fail: str = "") -> None:
+    def __init__(self, refuse: bool = False, fail: str = "", cold_s: float = 0.0, no_start: str = "") -> None:
         self.refuse, self.fail = refuse, fail
+        # a model scaled to zero: its first chunk comes after cold_s (or NoInstance(no_start))
+        self.cold_s, self.no_start = cold_s, no_start
         self.tasks: list[tuple[str, SamplingParams]] = []
         self.tokenizer: ChatTokenizer | None = None
+
+    def starting(self, model_id: str) -> bool:
+        return bool(self.cold_s)
+
+    def starting_status(self, model_id: str) -> str:
+        return "inst-1 on n1: loading (40%)"
 
     async def generate(
         self, request_id: str, model_id: str, prompt: list[int], sampling: SamplingParams, *_, **__
     ) -> AsyncIterator[TokenChunk]:
         self.tasks.append((request_id, sampling))
+        if self.cold_s:
+            await asyncio.sleep(self.cold_s)
+            if self.no_start:
+                raise NoInstance(self.no_start)
         if self.refuse or self.fail:
             kind = "invalid_request" if self.refuse else ""
             error = REFUSAL if self.refuse else self.fail
@@ -84,7 +98,9 @@ async def gateway(model: ModelInfo, generator: FakeGenerator, limits: RequestLim
         instance_id="i1", model_id=MODEL, node_id="n1", engine="vllm", status=InstanceStatus.READY
     )
     follower = SimpleNamespace(state=State(instances={"i1": ready}))
-    turns = Turns(generator, FakeCatalog(model), follower, Tracing("gateway", "test"), limits)
+    turns = Turns(
+        generator, FakeCatalog(model), follower, Tracing("gateway", "test"), limits, cold_start_progress_s=0.1
+    )
     app = web.Application(middlewares=[error_middleware])
     app.add_routes(openai_routes(turns, follower))
     app.add_routes(ollama_routes(turns, follower))
@@ -169,6 +185,46 @@ async def test_n_above_the_operators_limit_is_400_before_any_task(model: ModelIn
         assert reply.status == 400
         assert (await reply.json())["error"]["param"] == "n"
     assert generator.tasks == []
+
+
+# ---------------------------------------------------------------- a model scaled to zero
+
+
+async def test_a_cold_start_streams_progress_comments_then_the_answer(model: ModelInfo) -> None:
+    request = {"model": MODEL, "messages": USER, "seed": 1, "stream": True}
+    async with gateway(model, FakeGenerator(cold_s=0.45)) as client:
+        reply = await client.post("/v1/chat/completions", json=request)
+        assert reply.status == 200  # the stream starts at once: the wait is in it
+        text = await reply.text()
+    waits = [json.loads(line.split(" ", 2)[2]) for line in text.splitlines() if line.startswith(": waiting")]
+    assert len(waits) >= 2 and waits[0]["model"] == MODEL and "loading" in waits[0]["status"]
+    assert waits[-1]["waited_s"] > waits[0]["waited_s"]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse_objects(text))
+    assert content == "seed 1" and text.endswith("data: [DONE]\n\n")
+    assert text.rindex(": waiting") < text.index('"finish_reason":"stop"')
+
+
+async def test_a_cold_start_answers_a_plain_request_once_started(model: ModelInfo) -> None:
+    async with gateway(model, FakeGenerator(cold_s=0.25)) as client:
+        reply = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "seed": 2})
+        assert reply.status == 200
+        assert (await reply.json())["choices"][0]["message"]["content"] == "seed 2"
+        ollama = await client.post("/api/chat", json={"model": MODEL, "messages": USER, "stream": True})
+        lines = [json.loads(line) for line in (await ollama.text()).splitlines()]
+    assert lines[-1]["done"] is True  # NDJSON gets no progress lines: every line is a message
+
+
+async def test_a_cold_start_that_fails_says_why_in_each_shape(model: ModelInfo) -> None:
+    why = "No instance of tiny/m started within 0.2 s (waiting for the scheduler to place an instance)."
+    async with gateway(model, FakeGenerator(cold_s=0.2, no_start=why)) as client:
+        plain = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER})
+        assert plain.status == 503 and why in (await plain.json())["error"]["message"]
+        streamed = await client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": USER, "stream": True}
+        )
+        text = await streamed.text()
+    [error] = [o for o in sse_objects(text) if "error" in o]
+    assert why in error["error"]["message"]
 
 
 # ---------------------------------------------------------------- what reaches the engine

@@ -55,6 +55,9 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.tasks: list[SamplingParams] = []
 
+    def starting(self, model_id: str) -> bool:  # its model is never scaled to zero
+        return False
+
     async def generate(
         self, request_id: str, model_id: str, prompt: list[int], sampling: SamplingParams, *_, **__
     ) -> AsyncIterator[TokenChunk]:

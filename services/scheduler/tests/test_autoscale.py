@@ -20,6 +20,7 @@ from fleet_proto import (
     replay,
 )
 from fleet_proto.events import Event
+from fleet_proto.scaling import ScalingPolicy
 from fleet_scheduler.autoscale import (
     Hold,
     InstanceDemand,
@@ -28,7 +29,6 @@ from fleet_scheduler.autoscale import (
     ScaleUp,
     Scaling,
     ScalingHistory,
-    ScalingPolicy,
     autoscale,
 )
 

@@ -2,7 +2,14 @@
 
 from fleet_proto.apply import EventOrderError, UnknownEventError, apply, replay
 from fleet_proto.codec import UnknownCommandError, decode, decode_command, decode_event, encode
-from fleet_proto.commands import Command, CreateInstance, DeleteInstance, DeleteModel, DownloadModel
+from fleet_proto.commands import (
+    Command,
+    CreateInstance,
+    DeleteInstance,
+    DeleteModel,
+    DownloadModel,
+    SetScaling,
+)
 from fleet_proto.common import (
     DownloadPhase,
     DownloadStatus,
@@ -35,6 +42,8 @@ from fleet_proto.events import (
     ModelStaged,
     NodeJoined,
     NodeLeft,
+    ScalingDecided,
+    ScalingPolicySet,
     ServiceStarted,
     ServiceStopped,
 )
@@ -60,6 +69,7 @@ from fleet_proto.messages import (
     StructuredOutput,
     TokenChunk,
 )
+from fleet_proto.scaling import ModelScaling, ScalingDecision, ScalingPolicy
 from fleet_proto.state import State
 
 __all__ = [
@@ -95,6 +105,7 @@ __all__ = [
     "LivenessReply",
     "ModelCard",
     "ModelDeleted",
+    "ModelScaling",
     "ModelStaged",
     "NodeInfo",
     "NodeJoined",
@@ -113,10 +124,15 @@ __all__ = [
     "RouteReply",
     "RouteRequest",
     "SamplingParams",
+    "ScalingDecided",
+    "ScalingDecision",
+    "ScalingPolicy",
+    "ScalingPolicySet",
     "ServiceInfo",
     "ServiceKind",
     "ServiceStarted",
     "ServiceStopped",
+    "SetScaling",
     "Shard",
     "State",
     "StructuredOutput",

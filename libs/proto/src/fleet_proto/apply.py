@@ -26,9 +26,12 @@ from fleet_proto.events import (
     ModelStaged,
     NodeJoined,
     NodeLeft,
+    ScalingDecided,
+    ScalingPolicySet,
     ServiceStarted,
     ServiceStopped,
 )
+from fleet_proto.scaling import KEPT_DECISIONS, ModelScaling
 from fleet_proto.state import State
 
 V = TypeVar("V")
@@ -119,7 +122,21 @@ def _apply_model_deleted(state: State, event: ModelDeleted) -> State:
         state,
         models=_without(state.models, event.model_id),
         downloads=_without(state.downloads, event.model_id),
+        scaling=_without(state.scaling, event.model_id),  # nothing left to place
     )
+
+
+def _apply_scaling_policy_set(state: State, event: ScalingPolicySet) -> State:
+    past = state.scaling.get(event.model_id, ModelScaling())
+    scaling = msgspec.structs.replace(past, policy=event.policy)
+    return msgspec.structs.replace(state, scaling=_with(state.scaling, event.model_id, scaling))
+
+
+def _apply_scaling_decided(state: State, event: ScalingDecided) -> State:
+    past = state.scaling.get(event.model_id, ModelScaling())
+    decisions = (*past.decisions, event.decision)[-KEPT_DECISIONS:]
+    scaling = msgspec.structs.replace(past, decisions=decisions)
+    return msgspec.structs.replace(state, scaling=_with(state.scaling, event.model_id, scaling))
 
 
 def _dispatch(state: State, event: Event) -> State:
@@ -153,6 +170,10 @@ def _dispatch(state: State, event: Event) -> State:
             return _apply_model_staged(state, event)
         case ModelDeleted():
             return _apply_model_deleted(state, event)
+        case ScalingPolicySet():
+            return _apply_scaling_policy_set(state, event)
+        case ScalingDecided():
+            return _apply_scaling_decided(state, event)
         case InstanceStatusChanged():
             try:
                 status = InstanceStatus(event.status)

@@ -10,6 +10,7 @@ from typing import dataclass_transform
 import msgspec
 
 from fleet_proto.common import Shard
+from fleet_proto.scaling import ScalingPolicy
 
 
 # Subclasses inherit `frozen` (see fleet_proto.common.Frozen).
@@ -47,5 +48,18 @@ class DeleteModel(CommandBase, tag="delete_model"):
     model_id: str
 
 
-Command = CreateInstance | DeleteInstance | DownloadModel | DeleteModel
-COMMAND_TYPES: tuple[type[CommandBase], ...] = (CreateInstance, DeleteInstance, DownloadModel, DeleteModel)
+class SetScaling(CommandBase, tag="set_scaling"):
+    """Set how a model's instances follow its demand (the scheduler checks and records it)."""
+
+    model_id: str
+    policy: ScalingPolicy
+
+
+Command = CreateInstance | DeleteInstance | DownloadModel | DeleteModel | SetScaling
+COMMAND_TYPES: tuple[type[CommandBase], ...] = (
+    CreateInstance,
+    DeleteInstance,
+    DownloadModel,
+    DeleteModel,
+    SetScaling,
+)

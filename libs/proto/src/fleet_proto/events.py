@@ -7,6 +7,7 @@ from typing import dataclass_transform
 import msgspec
 
 from fleet_proto.common import DownloadPhase, Instance, ModelCard, NodeInfo, ServiceInfo
+from fleet_proto.scaling import ScalingDecision, ScalingPolicy
 
 
 # Subclasses inherit `frozen` (see fleet_proto.common.Frozen).
@@ -106,6 +107,20 @@ class InstanceStatusChanged(EventBase, tag="instance_status_changed"):
     progress: float = 0.0
 
 
+class ScalingPolicySet(EventBase, tag="scaling_policy_set"):
+    """A model's scaling policy was set (the admin API, through the scheduler)."""
+
+    model_id: str
+    policy: ScalingPolicy
+
+
+class ScalingDecided(EventBase, tag="scaling_decided"):
+    """The scheduler's autoscaler decided for a model: an instance added or drained, or a hold."""
+
+    model_id: str
+    decision: ScalingDecision
+
+
 Event = (
     ServiceStarted
     | ServiceStopped
@@ -120,6 +135,8 @@ Event = (
     | ModelStaged
     | ModelDeleted
     | InstanceStatusChanged
+    | ScalingPolicySet
+    | ScalingDecided
 )
 EVENT_TYPES: tuple[type[EventBase], ...] = (
     ServiceStarted,
@@ -135,4 +152,6 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     ModelStaged,
     ModelDeleted,
     InstanceStatusChanged,
+    ScalingPolicySet,
+    ScalingDecided,
 )

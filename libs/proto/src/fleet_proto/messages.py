@@ -229,6 +229,8 @@ class RequestStats(Frozen):
     inputs: int = 0  # an embedding request's inputs (vectors returned)
     migrations: int = 0  # times it moved to another instance (its worker died or drained)
     queued_s: float = 0.0  # waited for room (every instance of its model was full): in ttft_s too
+    # waited for an instance to be placed and start (its model had none, scaled to zero): in ttft_s too
+    cold_start_s: float = 0.0
 
 
 class AdmissionSample(Frozen):

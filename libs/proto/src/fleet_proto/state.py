@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from fleet_proto.common import DownloadStatus, Instance, ModelCard, NodeInfo, ServiceInfo
+from fleet_proto.scaling import ModelScaling
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -14,3 +15,4 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     instances: dict[str, Instance] = {}
     downloads: dict[str, DownloadStatus] = {}
     models: dict[str, ModelCard] = {}  # staged models by id
+    scaling: dict[str, ModelScaling] = {}  # models whose instances follow demand, by id

@@ -144,6 +144,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     admission_queue: int = 256
     admission_queue_per_key: int = 64
     admission_timeout_s: float = 30.0
+    # A request for a model scaled to zero (its scaling policy places instances on demand) waits this
+    # long for one to be placed, downloaded and loaded (streams get progress comments meanwhile).
+    cold_start_timeout_s: float = 600.0
 
     def resolved_node_id(self) -> str:
         return self.node_id or socket.gethostname()

@@ -23,8 +23,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from fleet_gateway.errors import ApiError
-from fleet_proto import NodeMetrics, State
+from fleet_proto import InstanceStatus, NodeMetrics, State
 from fleet_proto.routing_view import RoutingView
+from fleet_proto.scaling import scales_to_zero_now
 
 # Who is asking, for the queue's fairness: set per request by the limits middleware.
 CALLER: ContextVar[str] = ContextVar("fleet_caller", default="anonymous")
@@ -36,6 +37,7 @@ class AdmissionLimits:
     queue: int = 256  # waiting requests in all, in this gateway (0: no queue, never wait)
     queue_per_key: int = 64
     timeout_s: float = 30.0
+    cold_start_timeout_s: float = 600.0  # waiting for a model with no instance to get one
 
 
 # An instance's free slots, and whether it is full.
@@ -188,11 +190,36 @@ class Admission:
 
     def room(self, model_id: str) -> int:
         """Requests the model takes now without waiting: its free slots less those held for requests
-        let in that have not sent yet (1 when it has no ready instance)."""
+        let in that have not sent yet. With no ready instance: 0 while one is coming (starting), else
+        1 (routing says there is none: a queue would wait for nothing)."""
         room = self._room_of(model_id)
-        if not room.candidates:  # no instance at all: routing says so (a queue would wait for nothing)
-            return 1
+        if not room.candidates:
+            return 0 if self.starting(model_id) else 1
         return room.free - self._entering.get(model_id, 0)
+
+    def starting(self, model_id: str) -> bool:
+        """Whether the model has no ready instance and its scaling policy places one on demand: a
+        request waits for it (cold_start_timeout_s), counted as waiting, which is the demand the
+        scheduler's autoscaler sees."""
+        view = self._view()
+        return not view.ready(model_id) and scales_to_zero_now(view.state.scaling.get(model_id))
+
+    def starting_status(self, model_id: str) -> str:
+        """Where a cold start is, in words: the model's instances coming up, or none placed yet."""
+        state = self._view().state
+        coming = sorted(
+            (
+                i
+                for i in state.instances.values()
+                if i.model_id == model_id and i.status != InstanceStatus.FAILED
+            ),
+            key=lambda i: i.instance_id,
+        )
+        if not coming:
+            return f"waiting for the scheduler to place an instance of {model_id}"
+        return "; ".join(
+            f"{i.instance_id} on {i.node_id or '?'}: {i.status} ({i.progress:.0%})" for i in coming
+        )
 
     @contextlib.asynccontextmanager
     async def entry(self, model_id: str, caller: str) -> AsyncIterator[Ticket]:
@@ -229,8 +256,10 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter = Waiter(caller, self._priority(caller), next(self._arrivals), loop.create_future())
         self._waiting.setdefault(model_id, []).append(waiter)
+        cold = self.starting(model_id)
+        timeout_s = self._limits.cold_start_timeout_s if cold else self._limits.timeout_s
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.admitted), self._limits.timeout_s)
+            await asyncio.wait_for(asyncio.shield(waiter.admitted), timeout_s)
         except BaseException as exc:  # past the deadline, or the client went away
             if waiter.admitted.done():  # let in as it gave up: its room goes to the next one
                 self.let_go(model_id)
@@ -238,8 +267,11 @@ class Admission:
                 self._waiting[model_id].remove(waiter)
                 waiter.admitted.cancel()
             if isinstance(exc, TimeoutError):
-                busy = f"Every instance of {model_id} stayed busy for {self._limits.timeout_s:g} s."
-                raise self._refusal("timeout", 503, busy) from None
+                busy = f"Every instance of {model_id} stayed busy for {timeout_s:g} s."
+                if cold:
+                    where = self.starting_status(model_id)
+                    busy = f"No instance of {model_id} started within {timeout_s:g} s ({where})."
+                raise self._refusal("cold_start_timeout" if cold else "timeout", 503, busy) from None
             raise
 
     def _refusal(self, reason: str, status: int, message: str) -> ApiError:

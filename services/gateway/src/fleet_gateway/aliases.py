@@ -14,11 +14,19 @@ from dataclasses import dataclass
 from fleet_proto import InstanceStatus, State
 from fleet_proto.routing import base_model
 from fleet_proto.routing_view import RoutingView
+from fleet_proto.scaling import scales_to_zero_now
 from fleet_store import base_model_name
 
 
 def ready_models(state: State) -> list[str]:
     return sorted({i.model_id for i in state.instances.values() if i.status == InstanceStatus.READY})
+
+
+def servable_models(state: State) -> list[str]:
+    """The models a request may name now: those with a ready instance, and the staged ones whose
+    scaling policy places an instance on demand (scaled to zero: the request waits for it)."""
+    on_demand = {m for m in state.models if scales_to_zero_now(state.scaling.get(m))}
+    return sorted(on_demand.union(ready_models(state)))
 
 
 def known_models(state: State) -> set[str]:
@@ -47,9 +55,15 @@ def ready_names(view: RoutingView) -> ReadyNames:
 
 def serving_model(view: RoutingView, requested: str) -> str | None:
     """The model id whose instances serve `requested`: itself when it has a ready instance, else the
-    first ready model (by name) of the same base model; None when there is none. Read from an index
-    of the view's State (ready_names, built once per State), not a scan of its instances."""
+    first ready model (by name) of the same base model, else itself when it is staged and scales
+    from zero on demand; None when there is none. Read from an index of the view's State
+    (ready_names, built once per State), not a scan of its instances."""
     names = view.derived(ready_names)
     if requested in names.ready:
         return requested
-    return names.by_base_name.get(base_name(view.state, requested))
+    if (alias := names.by_base_name.get(base_name(view.state, requested))) is not None:
+        return alias
+    state = view.state
+    return (
+        requested if requested in state.models and scales_to_zero_now(state.scaling.get(requested)) else None
+    )

@@ -35,7 +35,7 @@ def required_access(method: str, path: str) -> str:
     """The level a request needs (pure: method and path only)."""
     if method in READ_METHODS and (path in OPEN_PATHS or path.startswith("/ui/")):
         return OPEN
-    if method == "DELETE" or (method == "POST" and path in ADMIN_POSTS):
+    if method in ("DELETE", "PUT") or (method == "POST" and path in ADMIN_POSTS):
         return ADMIN
     return USER
 

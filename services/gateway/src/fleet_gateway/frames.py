@@ -56,7 +56,17 @@ class Progress:
     prompt_tokens: int
 
 
-Event = Delta | Progress | Finished | Failed
+@dataclass(frozen=True)
+class Waiting:
+    """The request waits for an instance of its model to start (scaled to zero): how long so far,
+    and where the start is (placed, downloading, loading ...)."""
+
+    model: str
+    waited_s: float
+    status: str
+
+
+Event = Delta | Progress | Waiting | Finished | Failed
 
 
 class StreamFormat(Protocol):
@@ -98,6 +108,12 @@ def progress_frame(progress: Progress) -> bytes:
     """Prefill progress on any SSE stream (exo's prefill_progress, as a comment)."""
     payload = {"processed_tokens": progress.prefilled_tokens, "total_tokens": progress.prompt_tokens}
     return sse_comment("prefill_progress", payload)
+
+
+def waiting_frame(waiting: Waiting) -> bytes:
+    """Cold-start progress on any SSE stream, as a comment: the client sees the wait move."""
+    payload = {"model": waiting.model, "waited_s": round(waiting.waited_s, 1), "status": waiting.status}
+    return sse_comment("waiting_for_instance", payload)
 
 
 def ndjson_line(data: object) -> bytes:

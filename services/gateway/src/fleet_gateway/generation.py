@@ -63,6 +63,14 @@ STREAM_POLL_S = 0.5  # a stream without chunks this long asks whether its worker
 MAX_MIGRATIONS = 3  # Settings.max_migrations
 
 
+@dataclass(frozen=True)
+class Waited:
+    """How long a request waited in admission, and whether for a model with no instance to get one."""
+
+    seconds: float
+    cold_start: bool
+
+
 def hop_stream_id(request_id: str, hop: int) -> str:
     """The id a request's task and token stream have on its hop'th instance: each hop streams on its
     own subject, so a worker taken for dead that still sends cannot mix its tokens in."""
@@ -196,6 +204,13 @@ class Generator:
         self._bus = bus
         self._liveness = liveness
 
+    def starting(self, model_id: str) -> bool:
+        """Whether a request for the model waits for an instance to start (Admission.starting)."""
+        return self._admission.starting(model_id)
+
+    def starting_status(self, model_id: str) -> str:
+        return self._admission.starting_status(model_id)
+
     async def _route(self, request: RouteRequest) -> RouteReply:
         try:
             return await self._bus.request(ROUTE_SUBJECT, request, RouteReply, ROUTE_TIMEOUT_S)
@@ -283,9 +298,10 @@ class Generator:
         get_current_span().set_attributes(
             {REQUEST_ID_ATTRIBUTE: route_request.request_id, "fleet.model": route_request.model_id}
         )
+        cold = self._admission.starting(route_request.model_id)  # waits for an instance to start
         async with self._admission.entry(route_request.model_id, CALLER.get()) as ticket:
-            queued_s = time.monotonic() - started
-            async for chunk in self._hops(route_request, make_task, ticket, started, queued_s):
+            waited = Waited(time.monotonic() - started, cold)
+            async for chunk in self._hops(route_request, make_task, ticket, started, waited):
                 yield chunk
 
     async def _hops(
@@ -294,7 +310,7 @@ class Generator:
         make_task: MakeTask,
         ticket: Ticket,
         started: float,
-        queued_s: float,
+        waited: Waited,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Route (off the instances that are full), publish the task, stream its chunks.
 
@@ -344,7 +360,7 @@ class Generator:
                         first_token_at = time.monotonic()
                     if finished:  # before the last chunk goes out: a streaming reader stops at it
                         await self._publish_stats(
-                            route_request, decision, started, first_token_at, chunk, hop, queued_s
+                            route_request, decision, started, first_token_at, chunk, hop, waited
                         )
                     yield chunk
                 return
@@ -423,7 +439,7 @@ class Generator:
         first_token_at: float,
         last: TokenChunk,
         migrations: int,
-        queued_s: float,
+        waited: Waited,
     ) -> None:
         """Timings for the metrics-collector (from routing to the gateway seeing the tokens)."""
         now = time.monotonic()
@@ -444,7 +460,8 @@ class Generator:
             task=route_request.task,
             inputs=len(last.embeddings),
             migrations=migrations,
-            queued_s=queued_s,
+            queued_s=waited.seconds,
+            cold_start_s=waited.seconds if waited.cold_start else 0.0,
         )
         with contextlib.suppress(Exception):  # stats are advisory: never fail a request over them
             await self._bus.publish(REQUEST_STATS_SUBJECT, stats)

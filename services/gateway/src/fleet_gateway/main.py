@@ -31,6 +31,7 @@ from fleet_gateway.ollama_routes import ollama_routes
 from fleet_gateway.openai_routes import openai_routes
 from fleet_gateway.openapi import openapi_document
 from fleet_gateway.sampling import RequestLimits
+from fleet_gateway.scaling_routes import scaling_routes
 from fleet_gateway.trace_routes import trace_routes, tracing_middleware
 from fleet_gateway.turns import Turns
 from fleet_proto import NodeMetrics, ServiceKind
@@ -61,7 +62,10 @@ async def main(ctx: ServiceContext) -> None:
     priorities = KeyPriorities(redis)
     ctx.spawn(priorities.keep_fresh(), "admission-priorities")
     admission_limits = AdmissionLimits(
-        settings.admission_queue, settings.admission_queue_per_key, settings.admission_timeout_s
+        settings.admission_queue,
+        settings.admission_queue_per_key,
+        settings.admission_timeout_s,
+        settings.cold_start_timeout_s,
     )
     # The follower's State indexed, kept per State object: model resolution, admission, the
     # fallback route() and /state all read it (no scan of every instance per request).
@@ -104,6 +108,7 @@ async def main(ctx: ServiceContext) -> None:
     app.router.add_get("/health", health_handler(ctx.service_id, ctx.health_checks))
     app.add_routes(state_routes(ctx.follower, view))
     app.add_routes(admin_routes(ctx.bus, ctx.follower, store))
+    app.add_routes(scaling_routes(ctx.bus, ctx.follower))
     app.add_routes(admission_routes(admission, admission_limits, priorities))
     limits = RequestLimits(settings.max_prompt_tokens, settings.max_completion_tokens, settings.max_n)
     turns = Turns(generator, catalog, ctx.follower, ctx.tracing, limits, view)

@@ -15,7 +15,7 @@ from fleet_bus import StateFollower
 from fleet_gateway import completions_api as capi
 from fleet_gateway import openai_api as oai
 from fleet_gateway import responses_api as rapi
-from fleet_gateway.aliases import ready_models
+from fleet_gateway.aliases import servable_models
 from fleet_gateway.errors import ApiError, decode_json_body
 from fleet_gateway.fanout import collect, collect_choices
 from fleet_gateway.frames import Finished
@@ -134,7 +134,7 @@ def openai_routes(turns: Turns, follower: StateFollower) -> list[web.RouteDef]:
     async def list_models(_: web.Request) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "fleet"}
-            for m in ready_models(follower.state)
+            for m in servable_models(follower.state)
         ]
         return web.json_response({"object": "list", "data": data})
 

@@ -10,7 +10,16 @@ from typing import TypeVar
 from aiohttp import web
 
 from fleet_gateway.fanout import Choice, merge_runs
-from fleet_gateway.frames import SSE, ChoicesFormat, Event, Progress, StreamFormat, progress_frame
+from fleet_gateway.frames import (
+    SSE,
+    ChoicesFormat,
+    Event,
+    Progress,
+    StreamFormat,
+    Waiting,
+    progress_frame,
+    waiting_frame,
+)
 from fleet_gateway.parsing.output import Delta
 from fleet_gateway.turns import Failed, Finished, Run
 from fleet_runtime.tracing import Tracing
@@ -26,6 +35,8 @@ def event_frames(stream_format: StreamFormat, event: Event) -> list[bytes]:
         return stream_format.finish(event)
     if isinstance(event, Progress):  # NDJSON clients (Ollama's) parse every line: none for them
         return [progress_frame(event)] if stream_format.content_type == SSE else []
+    if isinstance(event, Waiting):
+        return [waiting_frame(event)] if stream_format.content_type == SSE else []
     return stream_format.delta(event)
 
 

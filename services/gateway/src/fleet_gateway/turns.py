@@ -25,10 +25,10 @@ from typing import Any
 import msgspec
 
 from fleet_bus import StateFollower, StreamBroken
-from fleet_gateway.aliases import known_models, ready_models, serving_model
+from fleet_gateway.aliases import known_models, servable_models, serving_model
 from fleet_gateway.detokenize import IncrementalDetokenizer
 from fleet_gateway.errors import ApiError
-from fleet_gateway.frames import Event, Failed, Finished, Progress
+from fleet_gateway.frames import Event, Failed, Finished, Progress, Waiting
 from fleet_gateway.generation import AS_ROUTED, Generator, NoInstance, SplitChoice
 from fleet_gateway.models import ModelCatalog, ModelInfo
 from fleet_gateway.parsing.harmony import HARMONY
@@ -54,6 +54,7 @@ from fleet_runtime.tracing import Tracing
 from fleet_store import StoreError
 
 SEED_RANGE = 1 << 64  # seeds are unsigned 64-bit integers at most
+COLD_START_PROGRESS_S = 5.0  # a Waiting event this often while a cold start runs
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,25 @@ def choice_prepared(prepared: Prepared, index: int) -> Prepared:
     return dataclasses.replace(prepared, sampling=sampling)
 
 
+@dataclass(frozen=True)
+class ColdStart:
+    """A run whose model has no instance yet (scaled to zero): its first chunk comes once one has
+    started; meanwhile, a Waiting event every `every_s` with `status()`."""
+
+    model: str
+    status: Callable[[], str]
+    every_s: float = COLD_START_PROGRESS_S
+
+    async def progress(self, first: asyncio.Future[TokenChunk | None]) -> AsyncGenerator[Waiting, None]:
+        started = time.monotonic()
+        while not (await asyncio.wait({first}, timeout=self.every_s))[0]:
+            yield Waiting(self.model, time.monotonic() - started, self.status())
+
+
 class Run:
-    """One generation, started: iterate `events()` once (closing it early cancels the engine)."""
+    """One generation, started: iterate `events()` once (closing it early cancels the engine).
+    A cold start's run (`cold`) starts its stream at once and waits for its first chunk in
+    events(), with progress, rather than before any response header."""
 
     def __init__(
         self,
@@ -203,11 +221,13 @@ class Run:
         first: TokenChunk | None,
         chunks: AsyncGenerator[TokenChunk, None],
         tracing: Tracing,
+        cold: ColdStart | None = None,
     ):
         self.prepared = prepared
         self.tracing = tracing
         self._first = first
         self._chunks = chunks
+        self._cold = cold
 
     @property
     def prompt_tokens(self) -> int:
@@ -222,6 +242,16 @@ class Run:
         engine_reason, last, first_token_at, outputs = "stop", None, 0.0, 0
         try:
             chunk = self._first
+            if self._cold is not None:
+                pending = asyncio.ensure_future(anext(self._chunks, None))
+                try:
+                    async for waiting in self._cold.progress(pending):
+                        yield waiting
+                    chunk = pending.result()
+                finally:
+                    if not pending.done():  # the client left while waiting
+                        pending.cancel()
+                        await asyncio.gather(pending, return_exceptions=True)
             while chunk is not None:
                 if chunk.finish_reason == "error":
                     refused = refusal(chunk, self.prepared)
@@ -248,8 +278,11 @@ class Run:
                     engine_reason = engine_finish_reason(chunk.finish_reason or "stop")
                     break
                 chunk = await anext(self._chunks, None)
-        except StreamBroken as exc:
+        except (StreamBroken, NoInstance) as exc:
             yield Failed(str(exc))
+            return
+        except ApiError as exc:  # refused while waiting for a cold start (its deadline, the queue's bound)
+            yield Failed(exc.message, exc.status)
             return
         finally:
             await self._chunks.aclose()  # not finished: the engine is told to cancel
@@ -292,9 +325,11 @@ class Turns:
         tracing: Tracing,
         limits: RequestLimits = NO_LIMITS,
         view: Callable[[], RoutingView] | None = None,
+        cold_start_progress_s: float = COLD_START_PROGRESS_S,
     ) -> None:
         self._tracing = tracing
         self._limits = limits
+        self._cold_start_progress_s = cold_start_progress_s
         self._generator = generator
         self._catalog = catalog
         # the follower's State indexed: the gateway's one KeptView, shared with admission and routing
@@ -312,7 +347,7 @@ class Turns:
         if model_id is None:
             if requested in known_models(state):
                 raise ApiError(503, f"The model {requested!r} has no ready instance yet; try again shortly")
-            available = ", ".join(ready_models(state)) or "none"
+            available = ", ".join(servable_models(state)) or "none"
             raise ApiError(
                 404,
                 f"The model {requested!r} does not exist. Available models: {available}",
@@ -374,6 +409,10 @@ class Turns:
         chunks = self._generator.generate(
             request_id, model.model_id, prepared.prompt, prepared.sampling, model.kv_fingerprint, choice
         )
+        if self._generator.starting(model.model_id):  # the wait streams progress: start at once
+            status = partial(self._generator.starting_status, model.model_id)
+            cold = ColdStart(model.model_id, status, self._cold_start_progress_s)
+            return Run(prepared, None, chunks, self._tracing, cold)
         try:
             first = await anext(chunks, None)
         except NoInstance as exc:

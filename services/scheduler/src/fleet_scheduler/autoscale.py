@@ -32,6 +32,7 @@ import msgspec
 from fleet_proto import Instance, InstanceStatus, State
 from fleet_proto.common import Frozen
 from fleet_proto.engines import ENGINE_FACTS, EngineFacts
+from fleet_proto.scaling import ScalingPolicy
 from fleet_scheduler.placement import PlacementError, place
 
 # Counted as the model's capacity: a starting instance will serve soon, so it is not added twice.
@@ -41,25 +42,6 @@ STARTING = frozenset(
 SERVING = STARTING | {InstanceStatus.READY}
 SERVING_ROLES = ("both", "decode")  # the roles routing sends a model's requests to
 SCALED_ROLE = "both"  # what the policy adds and drains; a disaggregated pair stays the admin's
-
-
-class ScalingPolicy(Frozen):
-    """How one model's instance count follows its demand. The defaults change nothing (disabled):
-    a model keeps the instances an admin made, as before. Where it will come from: a `scaling`
-    field on the model card, set at staging or changed by an admin API through an event, so that
-    every scheduler replica folds the same settings; not on the card yet."""
-
-    enabled: bool = False
-    min_instances: int = 1  # 0: scale to zero after idle_s without demand
-    max_instances: int = 1
-    target_utilization: float = 0.8  # (in flight + waiting) / request slots per instance
-    target_queued_tokens: int = 8192  # prompt tokens waiting to prefill per instance (0: not a signal)
-    target_ttft_p90_s: float = 0.0  # above it, one more instance (0: not a signal)
-    scale_down_ratio: float = 0.5  # one fewer only when demand fits it at this share of the targets
-    scale_up_window_s: float = 10.0  # demand above target this long before adding
-    scale_up_cooldown_s: float = 60.0  # after any change, before adding again
-    scale_down_delay_s: float = 300.0  # demand fitting one fewer this long (and since any change)
-    idle_s: float = 900.0  # no demand this long: down to min_instances
 
 
 class InstanceDemand(Frozen):

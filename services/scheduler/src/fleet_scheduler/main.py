@@ -2,7 +2,8 @@
 
 Every replica follows State and answers `fleet.route` and `fleet.placements`; the replica holding
 the leader lease also consumes commands (placement), times out silent workers (failover), places
-failed pipelines again and moves instances to engines their nodes measured faster. Decisions are
+failed pipelines again, moves instances to engines their nodes measured faster and scales models
+whose policy asks it to their demand (scaler.py). Decisions are
 pure functions (placement.py, liveness.py, replacement.py, engine_choice.py, fleet_proto.routing);
 every placement change they make, commanded or not, is published by one Placer (placer.py).
 """
@@ -16,10 +17,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from fleet_bus import Delivery, consume_commands
 from fleet_proto import (
@@ -36,14 +39,25 @@ from fleet_proto import (
     RouteDecided,
     RouteReply,
     RouteRequest,
+    ScalingPolicySet,
     ServiceKind,
+    SetScaling,
     State,
 )
 from fleet_proto.engines import engine_facts
+from fleet_proto.messages import AdmissionSample, RequestStats
 from fleet_proto.routing import route, routed_work
 from fleet_proto.routing_view import RoutingView, view_of
-from fleet_proto.subjects import ALL_METRICS_SUBJECT, PLACEMENTS_SUBJECT, ROUTE_DECIDED_SUBJECT, ROUTE_SUBJECT
+from fleet_proto.subjects import (
+    ALL_ADMISSION_SUBJECT,
+    ALL_METRICS_SUBJECT,
+    PLACEMENTS_SUBJECT,
+    REQUEST_STATS_SUBJECT,
+    ROUTE_DECIDED_SUBJECT,
+    ROUTE_SUBJECT,
+)
 from fleet_runtime.service import ServiceContext, run
+from fleet_scheduler.demand import DemandFeed
 from fleet_scheduler.engine_choice import faster_engine, moved_to_engine
 from fleet_scheduler.leader import LeaderLease
 from fleet_scheduler.liveness import failover_events, timed_out_nodes
@@ -51,6 +65,7 @@ from fleet_scheduler.placement import PlacementError, placed_again, placement_op
 from fleet_scheduler.placer import Placer, created, deletion
 from fleet_scheduler.replacement import failed_pipeline, replacement
 from fleet_scheduler.routed_prefixes import RoutedPrefixes
+from fleet_scheduler.scaler import Autoscaler
 from fleet_store.kv_index import TIER2, KVIndex, tokens_by_holder
 
 log = logging.getLogger("fleet_scheduler")
@@ -59,6 +74,7 @@ KV_LOOKUP_TIMEOUT_S = 0.2  # per route request: Redis down costs a request no mo
 # (instance id, generation) of each failure the leader has answered (failed over, placed again or not):
 # every rank of a pipeline may report the same one, and our own InstanceFailed events come back to us.
 Answered = set[tuple[str, int]]
+T = TypeVar("T")
 
 
 class LoadTracker:
@@ -146,6 +162,14 @@ async def handle_command(ctx: ServiceContext, placer: Placer, command: Command) 
         case DeleteInstance():
             if (event := deletion(state, command)) is not None:
                 await placer.publish(event)
+        case SetScaling():
+            if command.model_id not in state.models:
+                log.warning("scaling policy for %s ignored: the model is not staged", command.model_id)
+            elif problems := command.policy.problems():
+                log.warning("scaling policy for %s ignored: %s", command.model_id, "; ".join(problems))
+            else:
+                log.info("scaling policy for %s: %s", command.model_id, command.policy)
+                await placer.publish(ScalingPolicySet(model_id=command.model_id, policy=command.policy))
 
 
 async def watch_liveness(
@@ -338,7 +362,7 @@ async def main(ctx: ServiceContext) -> None:
         await handle_command(ctx, placer, command)
 
     async def commands() -> None:
-        await consume_commands(ctx.bus, "scheduler", (CreateInstance, DeleteInstance), on_command)
+        await consume_commands(ctx.bus, "scheduler", (CreateInstance, DeleteInstance, SetScaling), on_command)
 
     answered: Answered = set()
 
@@ -351,12 +375,46 @@ async def main(ctx: ServiceContext) -> None:
     async def engines() -> None:
         await move_to_faster_engines(ctx, placer)
 
+    async def autoscale() -> None:
+        feed = DemandFeed()
+        subscriptions = [
+            await _fed(ctx, ALL_METRICS_SUBJECT, NodeMetrics, feed.on_metrics),
+            await _fed(ctx, ALL_ADMISSION_SUBJECT, AdmissionSample, feed.on_admission),
+            await _fed(ctx, ROUTE_DECIDED_SUBJECT, RouteDecided, feed.on_route),
+            await _fed(ctx, REQUEST_STATS_SUBJECT, RequestStats, feed.on_stats),
+        ]
+        try:
+            await Autoscaler(lambda: ctx.follower.state, feed, placer).run(ctx.follower.wait_for)
+        finally:
+            for subscription in subscriptions:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+
     # Only the leader consumes commands, times out workers and re-places pipelines; a crashed duty ends
     # the leadership (and the service), so a healthy replica takes over. Routing stays on every replica.
     lease = LeaderLease(ctx.bus, ctx.service_id)
-    jobs = {"commands": commands, "liveness": liveness, "pipelines": pipelines, "engines": engines}
+    jobs = {
+        "commands": commands,
+        "liveness": liveness,
+        "pipelines": pipelines,
+        "engines": engines,
+        "autoscale": autoscale,
+    }
     ctx.spawn(lease.lead(jobs), "leader")
     ctx.on_shutdown(lease.release)  # a follower takes over at once rather than after the lease expires
+
+
+async def _fed(
+    ctx: ServiceContext, subject: str, kind: type[T], on: Callable[[T, float], None]
+) -> Subscription:
+    """A core NATS subscription handing each decodable message to `on` with the time it came."""
+    decoder = msgspec.json.Decoder(kind)
+
+    async def handle(msg: Msg) -> None:
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            on(decoder.decode(msg.data), time.time())
+
+    return await ctx.bus.nc.subscribe(subject, cb=handle)
 
 
 def cli() -> None:

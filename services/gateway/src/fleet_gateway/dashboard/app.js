@@ -4,7 +4,7 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 // The named events of /events (fleet_proto.events; a test keeps this list complete).
 const EVENT_NAMES = ("service_started service_stopped node_joined node_left instance_placed instance_loading "
   + "instance_ready instance_failed instance_deleted instance_status_changed download_progressed model_staged "
-  + "model_deleted").split(" ");
+  + "model_deleted scaling_policy_set scaling_decided").split(" ");
 
 const state = {
   data: { nodes: {}, instances: {}, downloads: {}, models: {}, partners: {} },
