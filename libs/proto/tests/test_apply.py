@@ -31,6 +31,9 @@ from fleet_proto import (
     encode,
     replay,
 )
+from fleet_proto.events import ModelDeleted, ScalingDecided, ScalingPolicySet
+from fleet_proto.scaling import KEPT_DECISIONS, ScalingDecision, ScalingPolicy
+from fleet_proto.testing import state_of, then
 
 pytestmark = pytest.mark.unit
 
@@ -226,3 +229,14 @@ def test_model_staged_records_the_card_and_status_changes_move_instances():
     )
     assert state.models == {"m": card}
     assert (state.instances["i1"].status, state.instances["i1"].progress) == ("warming", 0.9)
+
+
+def test_scaling_keeps_the_policy_and_the_last_decisions_and_goes_with_the_model():
+    policy = ScalingPolicy(enabled=True, min_instances=0, max_instances=2)
+    state = state_of(ScalingPolicySet(model_id="m", policy=policy))
+    decisions = [ScalingDecision(kind="hold", reason=f"r{n}", at=float(n)) for n in range(KEPT_DECISIONS + 3)]
+    state = then(state, *(ScalingDecided(model_id="m", decision=d) for d in decisions))
+    state = then(state, ScalingPolicySet(model_id="m", policy=ScalingPolicy()))  # decisions stay
+    assert state.scaling["m"].policy == ScalingPolicy()
+    assert state.scaling["m"].decisions == tuple(decisions[-KEPT_DECISIONS:])
+    assert "m" not in then(state, ModelDeleted(model_id="m")).scaling

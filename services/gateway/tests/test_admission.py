@@ -1,5 +1,6 @@
 """Admission at saturation (fleet_gateway.admission): when an instance is full, its order, bounds
-and deadline; the queue's pure rules, then the queue itself over a replayed State (no servers)."""
+and deadline; the queue's pure rules, then the queue itself over a replayed State (no servers);
+and a model scaled to zero, whose requests wait for its first instance."""
 
 from __future__ import annotations
 
@@ -18,10 +19,22 @@ from fleet_gateway.admission import (
     occupancy,
 )
 from fleet_gateway.errors import ApiError
-from fleet_proto import Instance, InstancePlaced, InstanceReady, InstanceStatus, NodeMetrics, State
+from fleet_proto import (
+    Instance,
+    InstancePlaced,
+    InstanceReady,
+    InstanceStatus,
+    ModelCard,
+    ModelStaged,
+    NodeJoined,
+    NodeMetrics,
+    ScalingPolicy,
+    ScalingPolicySet,
+    State,
+)
 from fleet_proto.routing import ready_instances
 from fleet_proto.routing_view import KeptView
-from fleet_proto.testing import bare_node, state_of
+from fleet_proto.testing import bare_node, state_of, then
 
 pytestmark = pytest.mark.unit
 
@@ -243,3 +256,55 @@ async def test_a_model_without_a_ready_instance_is_not_queued():
     async with gate.entry("no-such-model", "k") as ticket:  # routing answers that it has none
         assert ticket.model_id == "no-such-model"
     assert gate.waiting() == {}
+
+
+async def test_a_request_for_a_model_scaled_to_zero_waits_for_its_instance_and_counts_as_demand():
+    policy = ScalingPolicy(enabled=True, min_instances=0, max_instances=2)
+    card = ModelCard(
+        model_id="z", architecture="llama", num_layers=1, hidden_size=8, num_kv_heads=1, head_dim=8,
+        dtype="float32", storage_bytes=1,
+    )  # fmt: skip
+    states = [
+        state_of(
+            NodeJoined(node=bare_node("n")),
+            ModelStaged(card=card),
+            ScalingPolicySet(model_id="z", policy=policy),
+        ),
+    ]
+    gate = Admission(KeptView(lambda: states[-1]), DEFAULTS)
+    assert gate.starting("z") and gate.room("z") == 0
+    assert "waiting for the scheduler to place an instance of z" in gate.starting_status("z")
+    order: list[str] = []
+    waiter = asyncio.create_task(hold_model(gate, "z", "zi", order))
+    await settle()
+    assert gate.waiting() == {"z": 1} and order == []  # the autoscaler sees it waiting
+    placed = Instance(
+        instance_id="zi", model_id="z", node_id="n", engine="mlx", status=InstanceStatus.LOADING
+    )
+    states.append(then(states[-1], InstancePlaced(instance=placed)))
+    gate.wake()
+    await settle()
+    assert order == [] and "zi on n: loading" in gate.starting_status("z")
+    states.append(then(states[-1], InstanceReady(instance_id="zi")))
+    gate.load.on_sample(sample({"zi": 0}, {"zi": 4}))
+    gate.wake()  # a worker's report: the ready instance has room
+    await settle()
+    assert order == ["z"] and not gate.starting("z")
+    waiter.cancel()
+
+
+async def test_a_cold_start_past_its_deadline_is_refused_saying_where_the_start_is():
+    policy = ScalingPolicy(enabled=True, min_instances=0, max_instances=1)
+    state = state_of(ScalingPolicySet(model_id="z", policy=policy))
+    gate = Admission(KeptView(lambda: state), AdmissionLimits(timeout_s=0.01, cold_start_timeout_s=0.2))
+    with pytest.raises(ApiError) as late:
+        await hold_model(gate, "z", "zi", [])
+    assert late.value.status == 503 and "No instance of z started within 0.2 s" in late.value.message
+    assert gate.refused == {"cold_start_timeout": 1}
+
+
+async def hold_model(gate: Admission, model_id: str, instance_id: str, order: list[str]) -> None:
+    async with gate.entry(model_id, "k") as ticket:
+        order.append(model_id)
+        ticket.sent(instance_id)
+        await asyncio.Event().wait()

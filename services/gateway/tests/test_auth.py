@@ -43,6 +43,8 @@ KEYS = KeyRing.from_settings("user-1, user-2", "admin-1")
         ("POST", "/instances", ADMIN),
         ("DELETE", "/instances/i-1", ADMIN),
         ("DELETE", "/downloads/org/model", ADMIN),
+        ("PUT", "/scaling/org/model", ADMIN),
+        ("GET", "/scaling/org/model", USER),
     ],
 )
 def test_each_path_needs_its_level(method: str, path: str, needed: str):

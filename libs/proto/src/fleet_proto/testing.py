@@ -31,3 +31,8 @@ def state_of(*events: Event) -> State:
     }
     joined = [NodeJoined(node=bare_node(n)) for n in sorted(nodes - state.nodes.keys())]
     return replay(enumerate(joined, start=len(events) + 1), state)
+
+
+def then(state: State, *events: Event) -> State:
+    """`state` with `events` folded after its last one."""
+    return replay(enumerate(events, start=state.last_seq + 1), state)

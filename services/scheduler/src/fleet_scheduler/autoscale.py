@@ -24,6 +24,7 @@ Rules (Knative's concurrency target, HPA's windows), per model whose ScalingPoli
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -94,10 +95,12 @@ class ScaleDown(Frozen, tag_field="kind", tag="scale_down"):
 
 
 class Hold(Frozen, tag_field="kind", tag="scale_hold"):
-    """The policy wants a change it does not make now, and why."""
+    """The policy wants a change it does not make now, and why. `waiting_for`: the reason's kind
+    (its wait without the numbers), the same from one tick to the next while nothing changes."""
 
     model_id: str
     reason: str
+    waiting_for: str = ""
 
 
 Decision = ScaleUp | ScaleDown | Hold
@@ -267,7 +270,8 @@ class _Model:
         return made, history
 
     def hold(self, count: int, wait: str, why: str) -> Hold:
-        return Hold(model_id=self.model_id, reason=f"wants {count}, has {len(self.serving)}: {wait}; {why}")
+        reason = f"wants {count}, has {len(self.serving)}: {wait}; {why}"
+        return Hold(model_id=self.model_id, reason=reason, waiting_for=re.sub(r"\d+(\.\d+)?", "N", wait))
 
     def scale_up(self, history: ScalingHistory, desired: int, why: str) -> list[Decision]:
         policy, n = self.policy, len(self.serving)

@@ -1,9 +1,9 @@
 """The leader's autoscaler: once a tick, the demand the DemandFeed folded and the State's policies go
 through autoscale() (pure), and its decisions are carried out through the Placer: a ScaleUp places
 its instance, a ScaleDown drains one (as DeleteInstance does: requests finish or migrate). Every
-ScaleUp and ScaleDown is recorded as a ScalingDecided event with its reason; a Hold is recorded when
-a model starts holding and then at most once a HOLD_EVERY_S, so that the State shows why nothing
-moves without an event a second."""
+ScaleUp and ScaleDown is recorded as a ScalingDecided event with its reason; a Hold when a model starts
+holding or holds for another reason, and then at most once a HOLD_EVERY_S, so that the State shows
+why nothing moves without an event a second."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ class Autoscaler:
         self._placer = placer
         self._clock = clock
         self._history: dict[str, ScalingHistory] | None = None
-        # model -> when the Hold it is in was last recorded (None: its last decision was a change)
-        self._held_at: dict[str, float | None] = {}
+        # model -> the Hold it is in (its waiting_for) and when that was last recorded
+        self._holding: dict[str, tuple[str, float]] = {}
         self._started_at = clock()
 
     async def tick(self) -> list[Decision]:
@@ -126,10 +126,12 @@ class Autoscaler:
                 if (event := deletion(state, command)) is not None:
                     await self._placer.publish(event)
             case Hold():
-                held_at = self._held_at.get(model_id)
-                if held_at is not None and now - held_at < HOLD_EVERY_S:
-                    return  # holding still: recorded recently enough
-        self._held_at[model_id] = now if isinstance(decision, Hold) else None
+                holding = self._holding.get(model_id)
+                if holding and holding[0] == decision.waiting_for and now - holding[1] < HOLD_EVERY_S:
+                    return  # holding still, for the same reason: recorded recently enough
+                self._holding[model_id] = (decision.waiting_for, now)
+        if not isinstance(decision, Hold):
+            self._holding.pop(model_id, None)
         await self._placer.publish(ScalingDecided(model_id=model_id, decision=kept))
 
     async def run(self, wait_for: Callable[[Callable[[State], bool], float], Awaitable[State]]) -> None:
