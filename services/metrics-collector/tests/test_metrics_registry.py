@@ -3,8 +3,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet_metrics.registry import FleetMetrics, cpu_ratio, node_families, prefix_hit_ratio
-from fleet_proto import GpuSample, NodeMetrics
+from fleet_proto import (
+    GpuSample,
+    Instance,
+    InstancePlaced,
+    InstanceStatus,
+    NodeMetrics,
+    ScalingPolicy,
+    ScalingPolicySet,
+)
 from fleet_proto.messages import AdmissionSample
+from fleet_proto.testing import state_of
 
 from .metrics_stats_helper import stats
 
@@ -168,3 +177,23 @@ def test_the_gateways_admission_queues_are_summed_at_scrape_time():
     assert values[("fleet_admission_waiting_requests", (("model", "m"),))] == 5
     assert values[("fleet_admission_waiting_requests", (("model", "n"),))] == 1
     assert values[("fleet_admission_refused_total", (("reason", "timeout"),))] == 3
+
+
+def test_each_models_instances_by_status_and_its_scaling_bounds_come_from_the_state():
+    policy = ScalingPolicy(enabled=True, min_instances=0, max_instances=3)
+    instances = [
+        Instance(instance_id="a", model_id="m", node_id="n", engine="mlx", status=InstanceStatus.READY),
+        Instance(instance_id="b", model_id="m", node_id="n", engine="mlx", status=InstanceStatus.LOADING),
+        Instance(instance_id="c", model_id="m", node_id="n", engine="mlx", status=InstanceStatus.READY),
+    ]
+    state = state_of(
+        *(InstancePlaced(instance=i) for i in instances),
+        ScalingPolicySet(model_id="m", policy=policy),
+        ScalingPolicySet(model_id="off", policy=ScalingPolicy()),
+    )
+    values = parse(FleetMetrics(state=lambda: state))
+    assert values[("fleet_model_instances", (("model", "m"), ("status", "ready")))] == 2
+    assert values[("fleet_model_instances", (("model", "m"), ("status", "loading")))] == 1
+    assert values[("fleet_model_scaling_instances", (("bound", "max"), ("model", "m")))] == 3
+    assert values[("fleet_model_scaling_instances", (("bound", "min"), ("model", "m")))] == 0
+    assert not any(labels == (("bound", "max"), ("model", "off")) for _, labels in values)

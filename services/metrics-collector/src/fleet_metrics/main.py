@@ -123,7 +123,7 @@ async def main(ctx: ServiceContext) -> None:
             sample = _admission_decoder.decode(msg.data)
             gateways[sample.gateway_id] = sample
 
-    metrics = FleetMetrics(live_samples, live_gateways)
+    metrics = FleetMetrics(live_samples, live_gateways, lambda: ctx.follower.state)
 
     async def on_metrics(msg: Msg) -> None:
         try:

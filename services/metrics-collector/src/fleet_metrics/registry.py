@@ -14,7 +14,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fleet_proto import NodeMetrics
+from fleet_proto import InstanceStatus, NodeMetrics, State
 from fleet_proto.messages import EMBED_TASK, AdmissionSample
 
 # The text format /metrics serves (generate_latest writes the classic 0.0.4 format).
@@ -87,6 +87,42 @@ class AdmissionCollector(Collector):
         for reason, count in sorted(by_reason.items()):
             refused.add_metric([reason], count)
         return iter([waiting, refused])
+
+
+class ScalingCollector(Collector):
+    """Each model's instances by status, and the bounds of its autoscaling policy where enabled,
+    from the State at scrape time (`source()`): what a dashboard plots beside demand, and what an
+    alert compares (instances under the policy's minimum)."""
+
+    def __init__(self, source: Callable[[], State | None]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        instances = GaugeMetricFamily(
+            "fleet_model_instances", "Instances of each model, by status.", labels=["model", "status"]
+        )
+        bounds = GaugeMetricFamily(
+            "fleet_model_scaling_instances",
+            "An autoscaled model's policy bounds (bound: min or max).",
+            labels=["model", "bound"],
+        )
+        state = self._source()
+        if state is None:
+            return iter([instances, bounds])
+        counts: dict[tuple[str, str], int] = {}
+        for instance in state.instances.values():
+            key = (instance.model_id, InstanceStatus(instance.status).value)
+            counts[key] = counts.get(key, 0) + 1
+        for (model, status), count in sorted(counts.items()):
+            instances.add_metric([model, status], count)
+        for model, scaling in sorted(state.scaling.items()):
+            if scaling.policy.enabled:
+                bounds.add_metric([model, "min"], scaling.policy.min_instances)
+                bounds.add_metric([model, "max"], scaling.policy.max_instances)
+        return iter([instances, bounds])
 
 
 class NodeCollector(Collector):
@@ -189,6 +225,7 @@ class FleetMetrics:
         self,
         live_nodes: Callable[[], Iterable[NodeMetrics]] = tuple,
         live_gateways: Callable[[], Iterable[AdmissionSample]] = tuple,
+        state: Callable[[], State | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
@@ -252,6 +289,7 @@ class FleetMetrics:
         self._cached_tokens = 0
         r.register(NodeCollector(live_nodes))
         r.register(AdmissionCollector(live_gateways))
+        r.register(ScalingCollector(state))
 
     def observe_request(self, stats: RequestStatsLike) -> None:
         if stats.task == EMBED_TASK:
