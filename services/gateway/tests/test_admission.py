@@ -28,6 +28,8 @@ from fleet_proto import (
     ModelStaged,
     NodeJoined,
     NodeMetrics,
+    ScalingDecided,
+    ScalingDecision,
     ScalingPolicy,
     ScalingPolicySet,
     State,
@@ -308,3 +310,13 @@ async def hold_model(gate: Admission, model_id: str, instance_id: str, order: li
         order.append(model_id)
         ticket.sent(instance_id)
         await asyncio.Event().wait()
+
+
+def test_a_cold_start_the_scheduler_holds_says_why():
+    policy = ScalingPolicy(enabled=True, min_instances=0, max_instances=1)
+    held = ScalingDecision(kind="hold", reason="wants 1, has 0: no node without an instance of it fits")
+    state = state_of(
+        ScalingPolicySet(model_id="z", policy=policy), ScalingDecided(model_id="z", decision=held)
+    )
+    status = Admission(KeptView(lambda: state)).starting_status("z")
+    assert status.endswith("it holds (wants 1, has 0: no node without an instance of it fits)")

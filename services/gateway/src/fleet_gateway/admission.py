@@ -216,7 +216,10 @@ class Admission:
             key=lambda i: i.instance_id,
         )
         if not coming:
-            return f"waiting for the scheduler to place an instance of {model_id}"
+            scaling = state.scaling.get(model_id)
+            held = [d.reason for d in scaling.decisions[-1:] if d.kind == "hold"] if scaling else []
+            why = f": it holds ({held[0]})" if held else ""
+            return f"waiting for the scheduler to place an instance of {model_id}{why}"
         return "; ".join(
             f"{i.instance_id} on {i.node_id or '?'}: {i.status} ({i.progress:.0%})" for i in coming
         )
