@@ -3,8 +3,9 @@ the real embedded stack: the topology shows the worker node, creating an instanc
 view (its engine picked from those the cluster offers, and its role) makes it ready and shows the
 engine's measured speed and quality, a chat message streams an
 answer, the metrics plot has points (node memory, and the chat's time to first token), the traces
-view draws the chat request's timeline. A screenshot of each view is saved under
-test-artifacts/dashboard/."""
+view draws the chat request's timeline, the models view shows a scaling policy set through the API
+and its form sets another (the autoscaler's decision then shows live). A screenshot of each view is
+saved under test-artifacts/dashboard/."""
 
 from __future__ import annotations
 
@@ -213,6 +214,10 @@ def test_the_pages_pure_functions(gateway, browser) -> None:
             partners: m.partnersText([{ instance_id: "p1", engine: "vllm", model_id: "x", why: "faster" }]),
             none: m.partnersText(undefined), noneEmpty: m.partnersText([]),
             body: m.instanceBody("x", "", "decode"), pinned: m.instanceBody("x", "vllm", "prefill"),
+            scalingUrl: m.scalingUrl("org/a b"), scalingBody: m.scalingBody("0", "3"),
+            policy: m.policyText({ enabled: true, min_instances: 0, max_instances: 3, target_utilization: 0.8,
+                                   target_queued_tokens: 0, target_ttft_p90_s: 1.5 }),
+            noPolicy: m.policyText(undefined),
             rows: m.spanRows(spans).map((r) => [r.span.span_id, r.depth]),
             whole: m.barGeometry(span("a", "", 0, 100), 0, 100),
             tiny: m.barGeometry(span("t", "", 100, 100), 0, 100),
@@ -228,7 +233,61 @@ def test_the_pages_pure_functions(gateway, browser) -> None:
     assert result["none"] is None and result["noneEmpty"] is None  # a /state without partners
     assert result["body"] == {"model": "x", "role": "decode"}  # no engine: the scheduler picks
     assert result["pinned"] == {"model": "x", "engine": "vllm", "role": "prefill"}
+    assert result["scalingUrl"] == "/scaling/org/a%20b"  # the route takes the id's slashes as they are
+    assert result["scalingBody"] == {"min_instances": 0, "max_instances": 3, "enabled": True}
+    # a 0 target is no signal: not shown
+    assert result["policy"] == "on · 0 to 3 instances · targets utilization 80%, TTFT p90 1.5 s"
+    assert result["noPolicy"] == "off"
     assert result["rows"] == [["a", 0], ["b", 1], ["d", 2], ["c", 1], ["x", 0]]
     assert result["whole"] == {"left": 0, "width": 100}
     assert result["tiny"]["width"] > 0 and result["tiny"]["left"] + result["tiny"]["width"] <= 100
     assert result["empty"] == {"left": 0, "width": 100}
+
+
+async def set_scaling(gateway: str, body: dict) -> None:
+    async with aiohttp.ClientSession() as session:
+        await call(session, "PUT", f"{gateway}/scaling/{MODEL}", body)
+
+
+async def scaling_of(gateway: str) -> dict:
+    async with aiohttp.ClientSession() as session:
+        return await call(session, "GET", f"{gateway}/scaling/{MODEL}")
+
+
+def test_the_models_view_shows_and_sets_the_scaling_policy(gateway, browser) -> None:
+    """Last of the module: the policy its form sets drains the model's instance (idle: scale to zero)."""
+    from selenium.webdriver.common.keys import Keys
+
+    # idle after 1 s and no delay down: the form's min 0 below makes the autoscaler decide at once
+    first = {"min_instances": 1, "max_instances": 1, "idle_s": 1, "scale_down_delay_s": 0}
+    first["target_queued_tokens"] = 0  # not a signal: the panel leaves it out
+    asyncio.run(set_scaling(gateway.gateway_url, first))
+    show(browser, "models")
+    card_css = f'.model-card[data-model-id="{MODEL}"]'
+    # live: the scheduler's scaling_policy_set event refreshes the view
+    panel = f'{card_css} .scaling[data-enabled="true"][data-min="1"][data-max="1"]'
+    text = wait(browser, lambda b: [e.text for e in css(b, f"{panel} .scaling-policy")], 30)[0]
+    assert text == "on · 1 to 1 instances · targets utilization 80%", text
+    card = css(browser, card_css)[0]
+    assert card.find_element("css selector", ".scaling-max").get_attribute("value") == "1"
+    for field, value in ((".scaling-min", "0"), (".scaling-max", "2")):
+        box = card.find_element("css selector", field)
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys(value)
+    card.find_element("css selector", ".scaling-save").click()
+    saved = f'{card_css} .scaling[data-enabled="true"][data-min="0"][data-max="2"]'
+    wait(browser, lambda b: css(b, saved), 30)
+    policy = asyncio.run(scaling_of(gateway.gateway_url))["policy"]
+    # the form's PUT changed the bounds and kept the rest of the policy
+    assert (policy["min_instances"], policy["max_instances"], policy["idle_s"]) == (0, 2, 1)
+    # nothing asked for the model within idle_s: down to min_instances 0, its instance drains
+    down = f'{card_css} .decision[data-kind="scale_down"]'
+    decision = wait(browser, lambda b: css(b, down), 60)[0]
+    assert decision.get_attribute("data-instance-id")
+    assert "drains" in decision.find_element("css selector", ".decision-reason").text
+    assert decision.find_element("css selector", "time").text  # when
+    assert css(browser, f"{card_css} .decision")[0].get_attribute("data-kind") == "scale_down"  # newest first
+    screenshot(browser, "models-scaling")
+    card.find_element("css selector", ".scaling-disable").click()  # DELETE /scaling/<model>
+    wait(browser, lambda b: css(b, f'{card_css} .scaling[data-enabled="false"]'), 30)
+    assert asyncio.run(scaling_of(gateway.gateway_url))["policy"]["enabled"] is False

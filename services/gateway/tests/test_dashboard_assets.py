@@ -1,6 +1,6 @@
 """The dashboard's shipped files: each one the page links is in the package, and nothing else is
 reachable through /ui/<name>; the lists the page keeps of the gateway's names (events, engines,
-instance roles, node kinds) are complete."""
+instance roles, node kinds) are complete, and the scaling panel speaks the policy's field names."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import pytest
 from fleet_gateway.admin import INSTANCE_ROLES, CreateInstanceBody
 from fleet_gateway.dashboard_routes import ASSETS, asset
 from fleet_gateway.errors import ApiError
+from fleet_gateway.scaling_routes import ScalingBody
 from fleet_proto import events
 from fleet_proto.common import NodeKind
 from fleet_proto.engines import ENGINE_FACTS
+from fleet_proto.scaling import ModelScaling, ScalingDecision, ScalingPolicy
 from fleet_proto.subjects import event_subject
 from fleet_proto.traces import SPAN_CATEGORIES
 
@@ -80,3 +82,17 @@ def test_each_node_kind_has_its_icon() -> None:
     assert kind
     tested = set(re.findall(r'kind === "([a-z]+)"', kind.group(1)))
     assert tested == {k.value for k in NodeKind} - {NodeKind.CPU.value}  # cpu: the fallback
+
+
+def test_the_scaling_panel_reads_and_sends_only_the_policys_fields() -> None:
+    """The form's PUT body takes fields the admin API knows; the panel reads fields the State has."""
+    source = (ASSETS / "app.js").read_text()
+    body = re.search(r"export function scalingBody\(.*?\n}", source, re.DOTALL)
+    assert body
+    sent = set(re.findall(r"(\w+): ", body.group(0)))
+    assert {"min_instances", "max_instances", "enabled"} <= sent <= set(ScalingBody.__struct_fields__)
+    read = set(re.findall(r"policy\??\.(\w+)", source)) | set(re.findall(r"saved\.(\w+)", source))
+    assert read and read <= set(ScalingPolicy.__struct_fields__), read - set(ScalingPolicy.__struct_fields__)
+    decisions = set(re.findall(r"decision\.(\w+)", source))
+    assert decisions == set(ScalingDecision.__struct_fields__)  # kind, instance, reason and time all show
+    assert set(ModelScaling.__struct_fields__) <= set(re.findall(r"scaling\?\.(\w+)", source))

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from fleet_bus.auth import redacted
-from fleet_local import kv_compare, stack
+from fleet_local import cluster_status, kv_compare, stack
 from fleet_local.bootstrap import (
     DEFAULT_MODEL,
     DEFAULT_SOURCE,
@@ -215,12 +215,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
         rows.append(
             {"name": p.name, "pid": p.pid, "alive": alive, "healthy": healthy, "url": redacted(p.url)}
         )
+    # The cluster as the gateway sees it; it does not change the exit code (processes alone do).
+    cluster_state, unanswered = cluster_status.read_state(manifest.gateway_url, manifest.api_key)
     if args.json:
-        print(json.dumps({"state_dir": manifest.state_dir, "processes": rows}, indent=2))
+        cluster: dict[str, object] = {"gateway": manifest.gateway_url, "error": unanswered}
+        cluster["models"] = cluster_status.cluster_summary(cluster_state or {})
+        print(json.dumps({"state_dir": manifest.state_dir, "processes": rows, "cluster": cluster}, indent=2))
     else:
         for row in rows:
             state = "healthy" if row["healthy"] else ("UNHEALTHY" if row["alive"] else "DOWN")
             print(f"{row['name']:<18} {state:<10} pid {row['pid']:<8} {row['url']}")
+        if cluster_state is None:
+            print(f"cluster: {unanswered}")
+        else:
+            print("\n".join(cluster_status.cluster_lines(cluster_state, time.time())))
     return 0 if all(r["healthy"] for r in rows) else 1
 
 

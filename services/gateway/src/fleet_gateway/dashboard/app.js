@@ -7,12 +7,12 @@ const EVENT_NAMES = ("service_started service_stopped node_joined node_left inst
   + "model_deleted scaling_policy_set scaling_decided").split(" ");
 
 const state = {
-  data: { nodes: {}, instances: {}, downloads: {}, models: {}, partners: {} },
+  data: { nodes: {}, instances: {}, downloads: {}, models: {}, partners: {}, scaling: {} },
   engines: [], // the engines the cluster offers (GET /capabilities), for the create-instance form
   live: {}, // node id -> its latest metrics sample (memory, CPU, GPUs)
   lastJson: "",
   refreshTimer: null,
-  modelUi: {}, // per model: {busy, error, placements, placementError}
+  modelUi: {}, // per model: {busy, error, placements, placementError, scalingError, scalingEdited, scalingSaved}
   nodeCards: new Map(),
   modelCards: new Map(),
   metricNames: [],
@@ -140,7 +140,8 @@ async function refreshState() {
   state.data = {};
   // partners: decoder instance id -> the instances the router would prefill on for it (absent on
   // gateways that do not compute them)
-  for (const key of ["nodes", "instances", "downloads", "models", "partners"]) state.data[key] = data?.[key] || {};
+  // scaling: model id -> its policy and latest decisions (the scaling_* events change it)
+  for (const key of ["nodes", "instances", "downloads", "models", "partners", "scaling"]) state.data[key] = data?.[key] || {};
   await refreshEngines();
   renderAll();
   refreshChatModels();
@@ -324,7 +325,8 @@ function renderTopology() {
 
 // ---------- models ----------
 function modelUi(modelId) {
-  state.modelUi[modelId] ??= { busy: {}, error: "", placements: null, placementError: "" };
+  state.modelUi[modelId] ??= { busy: {}, error: "", placements: null, placementError: "", scalingError: "",
+    scalingEdited: false, scalingSaved: null };
   return state.modelUi[modelId];
 }
 
@@ -424,6 +426,108 @@ function placementsBlock(ui) {
   return el("ul", { className: "placements" }, ui.placements.map(placementRow));
 }
 
+// ---------- autoscaling (fleet_proto.scaling: a model's policy and its latest decisions) ----------
+// A model id has slashes (org/name): each segment is encoded, the route takes the rest of the path.
+export function scalingUrl(modelId) {
+  return `/scaling/${modelId.split("/").map(encodeURIComponent).join("/")}`;
+}
+
+// PUT /scaling/<model>'s body from the form: the bounds, enabled (the rest keeps the current policy).
+export function scalingBody(minInstances, maxInstances) {
+  return { min_instances: Number(minInstances), max_instances: Number(maxInstances), enabled: true };
+}
+
+// The policy's bounds and the targets that are signals (a 0 target is not one), in words.
+export function policyText(policy) {
+  if (!policy) return "off";
+  const bounds = `${policy.min_instances} to ${policy.max_instances} instances`;
+  const targets = [
+    policy.target_utilization ? `utilization ${Math.round(policy.target_utilization * 100)}%` : null,
+    policy.target_queued_tokens ? `queue ${policy.target_queued_tokens} tokens` : null,
+    policy.target_ttft_p90_s ? `TTFT p90 ${policy.target_ttft_p90_s} s` : null,
+  ].filter(Boolean).join(", ");
+  return `${policy.enabled ? "on" : "off"} · ${bounds}${targets ? ` · targets ${targets}` : ""}`;
+}
+
+// The policy's windows and delays, for the policy line's tooltip.
+function policyTiming(policy) {
+  if (!policy) return null;
+  return [`up after ${policy.scale_up_window_s} s over target, then ${policy.scale_up_cooldown_s} s cooldown`,
+    `down when demand fits at ${Math.round(policy.scale_down_ratio * 100)}% of the targets for ${policy.scale_down_delay_s} s`,
+    `to ${policy.min_instances} after ${policy.idle_s} s idle`].join("\n");
+}
+
+function decisionItem(decision) {
+  const at = decision.at ? new Date(decision.at * 1000) : null;
+  return el("li", { className: "decision", "data-kind": decision.kind, "data-instance-id": decision.instance_id || null },
+    el("span", { className: `badge decision-${decision.kind}` }, decision.kind),
+    decision.instance_id ? el("span", { className: "decision-instance" }, decision.instance_id) : null,
+    el("span", { className: "decision-reason" }, decision.reason || ""),
+    at ? el("time", { className: "muted", datetime: at.toISOString() }, at.toLocaleTimeString()) : null);
+}
+
+function scalingBlock(modelId) {
+  const scaling = state.data.scaling[modelId];
+  const policy = scaling?.policy;
+  const decisions = [...(scaling?.decisions || [])].reverse(); // the State keeps newest last
+  return el("div", { className: "scaling", "data-enabled": String(!!policy?.enabled),
+    "data-min": policy?.min_instances ?? null, "data-max": policy?.max_instances ?? null },
+  el("h4", {}, "Autoscaling"),
+  el("p", { className: "scaling-policy", title: policyTiming(policy) }, policyText(policy)),
+  decisions.length ? el("ul", { className: "decisions", "aria-label": `scaling decisions for ${modelId}` },
+    decisions.map(decisionItem)) : null);
+}
+
+function saveScaling(modelId, card) {
+  const body = scalingBody(card.querySelector(".scaling-min").value, card.querySelector(".scaling-max").value);
+  return withBusy(modelId, "scaling", async (ui) => {
+    ui.scalingError = "";
+    await requestJSON("PUT", scalingUrl(modelId), body)
+      .then(() => { ui.scalingSaved = body; })
+      .catch((err) => { ui.scalingError = err.message; });
+    await refreshState();
+  });
+}
+
+function disableScaling(modelId) {
+  return withBusy(modelId, "scaling", async (ui) => {
+    ui.scalingError = "";
+    await requestJSON("DELETE", scalingUrl(modelId)).catch((err) => { ui.scalingError = err.message; });
+    await refreshState();
+  });
+}
+
+function scalingForm(id) {
+  const number = (className, min, label) => el("input", { type: "number", className, min, step: 1, required: true,
+    "aria-label": `${label} instances for ${id}` });
+  const form = el("form", { className: "actions scaling-form", "aria-label": `autoscaling for ${id}` },
+    el("label", { className: "instance-option" }, "min ", number("scaling-min", 0, "minimum")),
+    el("label", { className: "instance-option" }, "max ", number("scaling-max", 1, "maximum")),
+    el("button", { type: "submit", className: "scaling-save" }, "Enable"),
+    el("button", { type: "button", className: "scaling-disable" }, "Disable"));
+  // Typed values stay until saved: the live refreshes only fill the fields while they are untouched.
+  form.addEventListener("input", () => { modelUi(id).scalingEdited = true; });
+  return form;
+}
+
+function fillScalingForm(form, modelId, instances) {
+  const ui = modelUi(modelId);
+  const policy = state.data.scaling[modelId]?.policy;
+  // A saved policy shows once the scheduler recorded it (scaling_policy_set); until then the form keeps it.
+  const saved = ui.scalingSaved;
+  if (saved && policy?.enabled && policy.min_instances === saved.min_instances && policy.max_instances === saved.max_instances) {
+    ui.scalingEdited = false;
+    ui.scalingSaved = null;
+  }
+  if (!ui.scalingEdited) {
+    form.querySelector(".scaling-min").value = policy?.min_instances ?? 1;
+    form.querySelector(".scaling-max").value = policy?.max_instances ?? Math.max(1, instances.length);
+  }
+  form.querySelector(".scaling-save").textContent = policy?.enabled ? "Update" : "Enable";
+  form.querySelector(".scaling-save").disabled = !!ui.busy.scaling;
+  form.querySelector(".scaling-disable").disabled = !!ui.busy.scaling || !policy?.enabled;
+}
+
 function createModelCard(id) {
   const preview = el("button", { type: "button", className: "preview-placements" }, "Preview placements");
   const create = el("button", { type: "button", className: "create-instance" }, "Create instance");
@@ -435,8 +539,11 @@ function createModelCard(id) {
     el("div", { className: "actions" }, preview,
       el("label", { className: "instance-option" }, "engine ", engine),
       el("label", { className: "instance-option" }, "role ", role), create),
+    el("div", { className: "model-scaling" }), scalingForm(id),
     el("div", { className: "model-extra" }));
   preview.addEventListener("click", () => previewPlacements(id));
+  card.querySelector(".scaling-form").addEventListener("submit", (e) => { e.preventDefault(); saveScaling(id, card); });
+  card.querySelector(".scaling-disable").addEventListener("click", () => disableScaling(id));
   create.addEventListener("click", () => createInstance(id, card));
   return card;
 }
@@ -454,8 +561,11 @@ function fillModelCard(card, model, instances, download) {
     measuredBlock(model.model_id),
     instances.length ? el("ul", { className: "instances" }, instances.map((i) => instanceItem(i, true))) : null,
   ].filter(Boolean));
+  card.querySelector(".model-scaling").replaceChildren(scalingBlock(model.model_id));
+  fillScalingForm(card.querySelector(".scaling-form"), model.model_id, instances);
   card.querySelector(".model-extra").replaceChildren(...[
     ui.error ? el("p", { className: "model-error", role: "alert" }, ui.error) : null,
+    ui.scalingError ? el("p", { className: "model-error scaling-error", role: "alert" }, ui.scalingError) : null,
     placementsBlock(ui),
   ].filter(Boolean));
 }
