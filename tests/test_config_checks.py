@@ -4,15 +4,18 @@
   nats.conf rendered into the Kubernetes ConfigMap nats-config, plain and with the tls component's
   blocks: the $VARIABLES the pods set come from the environment, the include files sit beside it, and
   the certificate paths point at a throwaway CA and server certificate made here with `cryptography`.
-- `promtool check rules` (Debian's prometheus package: `make test-apt`) on the PrometheusRule's groups,
-  and `promtool check config` on deploy/prometheus/prometheus.yml (compose's Prometheus).
+- `promtool check rules` (from Debian's prometheus package, unpacked into .venv/bin by `make
+  test-apt`) on the PrometheusRule's groups, and `promtool check config` on
+  deploy/prometheus/prometheus.yml (compose's Prometheus).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,9 +44,12 @@ def nats_server() -> str:
 
 
 def promtool() -> str:
-    found = shutil.which("promtool")
+    """The venv's (`make test-apt` unpacks it from Debian's prometheus package), else one on PATH."""
+    found = shutil.which(
+        "promtool", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
     if found is None:
-        pytest.fail("promtool is not installed: `make test-apt` installs it (Debian's prometheus package)")
+        pytest.fail("promtool is not installed: `make test-apt` unpacks it into .venv/bin")
     return found
 
 
