@@ -10,6 +10,8 @@ import pytest
 
 from fleet_proto import (
     Event,
+    InstanceDeleted,
+    InstanceFailed,
     InstancePlaced,
     InstanceStatus,
     InstanceStatusChanged,
@@ -26,6 +28,7 @@ from fleet_proto import (
     apply,
 )
 from fleet_proto.messages import AdmissionSample
+from fleet_proto.testing import then
 from fleet_scheduler.autoscale import ScalingHistory
 from fleet_scheduler.demand import DemandFeed, percentile
 from fleet_scheduler.placer import Placer
@@ -163,3 +166,31 @@ def test_a_new_leader_starts_from_the_last_changes_the_state_recorded():
         decision = ScalingDecision(kind=kind, reason="r", at=at)
         state = apply(state, ScalingDecided(model_id=MODEL, decision=decision), state.last_seq + 1)
     assert seeded_history(state) == {MODEL: ScalingHistory(last_up_at=40.0, last_down_at=30.0)}
+
+
+async def test_a_failed_instance_is_tried_again_after_the_cooldown_and_deleted_then():
+    clock = [100.0]
+    policy = msgspec.structs.replace(FAST, min_instances=1, scale_up_cooldown_s=30)
+    failed = InstanceFailed(instance_id="i1", reason="weights corrupt")
+    bus = FakeBus(with_policy(then(ONE_BUSY, failed), policy))
+    scaler = Autoscaler(
+        lambda: bus.state, DemandFeed(), Placer(bus.publish, "s", lambda: clock[0]), lambda: clock[0]
+    )
+    await scaler.tick()  # below min_instances: at once
+    deleted, placed, decided = bus.published
+    assert deleted == InstanceDeleted(instance_id="i1", origin="s", at=100.0)
+    assert (
+        isinstance(placed, InstancePlaced)
+        and "replaces i1 (failed: weights corrupt)" in decided.decision.reason
+    )
+    auto = placed.instance.instance_id
+    bus.published.clear()
+    bus.state = then(bus.state, InstanceFailed(instance_id=auto, reason="out of memory"))
+    clock[0] += 10
+    await scaler.tick()  # within the cooldown: holds (and says why)
+    [held] = bus.published
+    assert isinstance(held, ScalingDecided) and "added one 10 s ago, cooldown 30 s" in held.decision.reason
+    clock[0] += 25
+    await scaler.tick()
+    assert [type(e) for e in bus.published[1:]] == [InstanceDeleted, InstancePlaced, ScalingDecided]
+    assert [i for i in bus.state.instances.values() if i.status == InstanceStatus.FAILED] == []

@@ -11,7 +11,9 @@ Rules (Knative's concurrency target, HPA's windows), per model whose ScalingPoli
   instance's slots; queued prompt tokens over target_queued_tokens; one more while TTFT p90 is over
   its target. Within [min_instances, max_instances]; at least one while demand was seen within
   idle_s, then min_instances, which may be 0 (scale to zero).
-- Up: at once from zero (a request waits) or below min_instances; else after scale_up_window_s above
+- Up: at once from zero (a request waits) or below min_instances (after scale_up_cooldown_s since
+  the last add: an instance that failed to load is tried again no faster, and the next attempt
+  deletes it, so failures do not pile up); else after scale_up_window_s above
   target, scale_up_cooldown_s after the last change, with no instance of it still starting. On the
   node placement prefers among those running none of the model: a worker that just joined is one.
 - Down: one at a time, the least loaded instance (it drains), once demand fitted one fewer at
@@ -80,10 +82,12 @@ class ScalingHistory(Frozen):
 
 
 class ScaleUp(Frozen, tag_field="kind", tag="scale_up"):
-    """Place `instance` (placement's choice of node, engine, memory grant)."""
+    """Place `instance` (placement's choice of node, engine, memory grant), deleting the model's
+    failed instances first (`replaces`): each attempt that fails leaves one, not one per attempt."""
 
     instance: Instance
     reason: str
+    replaces: tuple[str, ...] = ()
 
 
 class ScaleDown(Frozen, tag_field="kind", tag="scale_down"):
@@ -300,9 +304,19 @@ class _Model:
                 instance = place(spare, self.model_id, instance_id, caps=self.caps)
             except PlacementError as exc:
                 return [*decisions, self.hold(desired, f"no node without an instance of it fits: {exc}", why)]
-            decisions.append(ScaleUp(instance=instance, reason=f"{k} -> {k + 1} instances: {why}"))
+            reason, replaces = f"{k} -> {k + 1} instances: {why}", ()
+            if not decisions and (failed := self.failed()):
+                replaces = tuple(i.instance_id for i in failed)
+                reason += "; replaces " + ", ".join(f"{i.instance_id} (failed: {i.reason})" for i in failed)
+            decisions.append(ScaleUp(instance=instance, reason=reason, replaces=replaces))
             state = msgspec.structs.replace(state, instances={**state.instances, instance_id: instance})
         return decisions
+
+    def failed(self) -> list[Instance]:
+        """The model's failed instances of the role the policy adds, by id."""
+        mine = (i for i in self.state.instances.values() if i.model_id == self.model_id)
+        failed = (i for i in mine if i.status == InstanceStatus.FAILED and i.role == SCALED_ROLE)
+        return sorted(failed, key=lambda i: i.instance_id)
 
     def scale_down(self, history: ScalingHistory, desired: int, why: str, idle: bool) -> list[Decision]:
         n, delay, wait = len(self.serving), self.policy.scale_down_delay_s, ""

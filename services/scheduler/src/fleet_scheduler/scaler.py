@@ -16,7 +16,7 @@ from functools import partial
 
 import msgspec
 
-from fleet_proto import DeleteInstance, ScalingDecided, ScalingDecision, State
+from fleet_proto import DeleteInstance, InstanceDeleted, ScalingDecided, ScalingDecision, State
 from fleet_scheduler.autoscale import (
     Decision,
     Hold,
@@ -117,6 +117,7 @@ class Autoscaler:
         match decision:
             case ScaleUp():
                 log.warning("autoscale %s: placing %s: %s", model_id, kept.instance_id, kept.reason)
+                await self._placer.publish(*(InstanceDeleted(instance_id=i) for i in decision.replaces))
                 await self._placer.place(decision.instance)
             case ScaleDown():
                 log.warning("autoscale %s: draining %s: %s", model_id, kept.instance_id, kept.reason)
