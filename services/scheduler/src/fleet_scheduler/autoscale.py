@@ -304,7 +304,7 @@ class _Model:
                 instance = place(spare, self.model_id, instance_id, caps=self.caps)
             except PlacementError as exc:
                 return [*decisions, self.hold(desired, f"no node without an instance of it fits: {exc}", why)]
-            reason, replaces = f"{k} -> {k + 1} instances: {why}", ()
+            reason, replaces = f"{k} -> {k + 1} instances: {why}", tuple[str, ...]()
             if not decisions and (failed := self.failed()):
                 replaces = tuple(i.instance_id for i in failed)
                 reason += "; replaces " + ", ".join(f"{i.instance_id} (failed: {i.reason})" for i in failed)
