@@ -333,7 +333,9 @@ class LeaderLease:
         self._revision = None
 
     async def _sleep(self, seconds: float) -> None:
-        """Sleep, waking early when released."""
+        """Sleep, waking early when released. Every retry and renewal loop sleeps here, so a cancel
+        that nats-py's wait_for dropped as a reply came (raise_if_cancelling) ends the loop here."""
+        raise_if_cancelling()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._stop.wait()
