@@ -16,20 +16,17 @@ from dataclasses import dataclass
 from functools import partial
 
 import msgspec
-from nats.aio.msg import Msg
 from nats.js.errors import APIError
 from opentelemetry.trace import get_current_span, set_span_in_context
 
-from fleet_bus import Bus, NoResponders, RequestFailed, StateFollower, StreamBroken, TokenStreamReader
+from fleet_bus import Bus, RequestFailed, StateFollower, StreamBroken, TokenStreamReader
 from fleet_bus.trace_context import traceparent
 from fleet_gateway.admission import CALLER, Admission, Ticket
+from fleet_gateway.liveness import NodeLiveness
 from fleet_proto import (
     CancelRequest,
     EmbedTask,
     GenerateTask,
-    LivenessProbe,
-    LivenessReply,
-    NodeMetrics,
     PrefillPlan,
     RequestStats,
     RouteReply,
@@ -44,7 +41,6 @@ from fleet_proto.subjects import (
     REQUEST_STATS_SUBJECT,
     ROUTE_SUBJECT,
     TASK_STREAM,
-    alive_subject,
     cancel_subject,
 )
 from fleet_proto.traces import REQUEST_ID_ATTRIBUTE
@@ -55,10 +51,8 @@ log = logging.getLogger("fleet_gateway")
 
 ROUTE_TIMEOUT_S = 1.0
 # A live worker may be silent this long (a long prefill on a slow CPU); a dead one is noticed by
-# its missing 1 Hz metrics within NODE_SILENCE_S.
+# its missing 1 Hz metrics within liveness.NODE_SILENCE_S.
 STALL_TIMEOUT_S = TASK_TTL_S
-NODE_SILENCE_S = 3.5
-PROBE_TIMEOUT_S = 0.5  # a worker answers its liveness probe from its event loop: at once
 STREAM_POLL_S = 0.5  # a stream without chunks this long asks whether its worker is there
 MAX_MIGRATIONS = 3  # Settings.max_migrations
 
@@ -97,53 +91,6 @@ MakeTask = Callable[[RouteReply, str, str, tuple[int, ...]], WorkerTask]
 
 class NoInstance(Exception):
     """No ready instance can take the request."""
-
-
-class NodeLiveness:
-    """When each node last published its metrics (they come every second), and whether a worker
-    answers when asked (`answers`: a dead one is known at once)."""
-
-    def __init__(
-        self, bus: Bus | None = None, on_sample: Callable[[NodeMetrics], None] | None = None
-    ) -> None:
-        self._bus = bus
-        self._on_sample = on_sample
-        self._last_seen: dict[str, float] = {}
-        self._latest: dict[str, NodeMetrics] = {}
-        self._decoder = msgspec.json.Decoder(NodeMetrics)
-
-    async def on_metrics(self, msg: Msg) -> None:
-        with contextlib.suppress(msgspec.ValidationError):
-            sample = self._decoder.decode(msg.data)
-            self._last_seen[sample.node_id] = time.monotonic()
-            self._latest[sample.node_id] = sample
-            if self._on_sample is not None:
-                self._on_sample(sample)
-
-    def live_samples(self) -> list[NodeMetrics]:
-        """The latest metrics of every node heard from recently."""
-        return [s for node_id, s in self._latest.items() if self.alive(node_id)]
-
-    def alive(self, node_id: str) -> bool:
-        seen = self._last_seen.get(node_id)
-        return seen is None or time.monotonic() - seen < NODE_SILENCE_S
-
-    async def probe(self, node_id: str, request_id: str = "") -> LivenessReply | None:
-        """Ask the worker (and whether it runs the request): None when NATS answers "no
-        responders", at once when its process is gone (its subscription went with its connection).
-        No answer in time leaves it to the metrics: taken for running while they come."""
-        if self._bus is None:
-            return LivenessReply(node_id=node_id, running=True) if self.alive(node_id) else None
-        try:
-            probe = LivenessProbe(node_id=node_id, request_id=request_id)
-            return await self._bus.request(alive_subject(node_id), probe, LivenessReply, PROBE_TIMEOUT_S)
-        except NoResponders:
-            return None
-        except RequestFailed:
-            return LivenessReply(node_id=node_id, running=True) if self.alive(node_id) else None
-
-    async def answers(self, node_id: str) -> bool:
-        return await self.probe(node_id) is not None
 
 
 @dataclass(frozen=True)

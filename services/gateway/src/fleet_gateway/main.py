@@ -23,9 +23,10 @@ from fleet_gateway.auth import KeyRing, auth_middleware
 from fleet_gateway.dashboard_routes import dashboard_routes
 from fleet_gateway.embedding_routes import embedding_routes
 from fleet_gateway.errors import error_middleware
-from fleet_gateway.generation import Generator, NodeLiveness
+from fleet_gateway.generation import Generator
 from fleet_gateway.kv_routes import kv_routes
 from fleet_gateway.limits import RateLimiter, StreamLimiter, limits_middleware
+from fleet_gateway.liveness import NodeLiveness
 from fleet_gateway.models import ModelCatalog
 from fleet_gateway.ollama_routes import ollama_routes
 from fleet_gateway.openai_routes import openai_routes
