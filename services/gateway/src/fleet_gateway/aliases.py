@@ -22,11 +22,15 @@ def ready_models(state: State) -> list[str]:
     return sorted({i.model_id for i in state.instances.values() if i.status == InstanceStatus.READY})
 
 
+def on_demand(state: State, model_id: str) -> bool:
+    """Staged, and its scaling policy places an instance when asked (scaled to zero: a request for
+    it waits for one)."""
+    return model_id in state.models and scales_to_zero_now(state.scaling.get(model_id))
+
+
 def servable_models(state: State) -> list[str]:
-    """The models a request may name now: those with a ready instance, and the staged ones whose
-    scaling policy places an instance on demand (scaled to zero: the request waits for it)."""
-    on_demand = {m for m in state.models if scales_to_zero_now(state.scaling.get(m))}
-    return sorted(on_demand.union(ready_models(state)))
+    """The models a request may name now: those with a ready instance, and those on demand."""
+    return sorted({m for m in state.models if on_demand(state, m)}.union(ready_models(state)))
 
 
 def known_models(state: State) -> set[str]:
@@ -63,7 +67,4 @@ def serving_model(view: RoutingView, requested: str) -> str | None:
         return requested
     if (alias := names.by_base_name.get(base_name(view.state, requested))) is not None:
         return alias
-    state = view.state
-    return (
-        requested if requested in state.models and scales_to_zero_now(state.scaling.get(requested)) else None
-    )
+    return requested if on_demand(view.state, requested) else None

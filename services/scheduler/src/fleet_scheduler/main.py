@@ -281,11 +281,14 @@ async def main(ctx: ServiceContext) -> None:
     ctx.on_shutdown(client.aclose)
 
     tracker = LoadTracker()
+    feed = DemandFeed()  # the autoscaler's (leader only); the workers' metrics reach it from here
     metrics_decoder = msgspec.json.Decoder(NodeMetrics)
 
     async def on_metrics(msg: Msg) -> None:
         with contextlib.suppress(msgspec.ValidationError):
-            tracker.on_metrics(metrics_decoder.decode(msg.data))
+            metrics = metrics_decoder.decode(msg.data)
+            tracker.on_metrics(metrics)
+            feed.on_metrics(metrics, time.time())
 
     metrics_sub = await ctx.bus.nc.subscribe(ALL_METRICS_SUBJECT, cb=on_metrics)
     ctx.on_shutdown(metrics_sub.unsubscribe)
@@ -376,9 +379,7 @@ async def main(ctx: ServiceContext) -> None:
         await move_to_faster_engines(ctx, placer)
 
     async def autoscale() -> None:
-        feed = DemandFeed()
-        subscriptions = [
-            await _fed(ctx, ALL_METRICS_SUBJECT, NodeMetrics, feed.on_metrics),
+        subscriptions = [  # what only the autoscaler reads, while this replica leads
             await _fed(ctx, ALL_ADMISSION_SUBJECT, AdmissionSample, feed.on_admission),
             await _fed(ctx, ROUTE_DECIDED_SUBJECT, RouteDecided, feed.on_route),
             await _fed(ctx, REQUEST_STATS_SUBJECT, RequestStats, feed.on_stats),
