@@ -4,7 +4,7 @@ deployment's invariants.
 The invariants are checked on the parsed YAML (anchors and merge keys resolved) everywhere, and the
 files against the compose-spec JSON schema (check-jsonschema's vendored copy, so offline); they are
 also validated by `docker compose config` where the compose plugin is installed (no engine is needed
-for that).
+for that). One file: every test reads the same parsed compose files, the deployment's one contract.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ fleet pull MODEL --source SRC [--gateway URL]   (stage a model, with a progress 
 fleet bench NAME [ARGS...]                       (run bench/NAME.py of this checkout, e.g. disagg)
 fleet kv compare A B [--prompt TEXT] [--tokens N] [--env-file FILE] [--folders]
                                                  (one prompt's KV on two instances or models, per layer)
+
+One file because it is the argument parser and dispatch of every `fleet` command; each
+command's work lives in its own module (stack, processes, pull, cluster_status, kv_compare).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-// Fleet dashboard: plain ES module, no build step, no external assets.
+// Fleet dashboard: plain ES module, no build step, no external assets. One module: its views share
+// the State kept from /state and /events and the key handling, and the browser test imports its pure
+// functions from here; each view is a section below.
 const GIB = 1024 ** 3;
 const SVG_NS = "http://www.w3.org/2000/svg";
 // The named events of /events (fleet_proto.events; a test keeps this list complete).
